@@ -1,0 +1,26 @@
+# Everything starts from nothing: `make demo` and `make test` create .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# constraints.txt pins torch==2.13.0, the CPU wheel available offline on this machine kind.
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev,torch]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) demo tests/.fixture-cache benchmarks/.work

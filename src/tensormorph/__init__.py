@@ -1,0 +1,38 @@
+"""Tensormorph: any sharded checkpoint as one logical checkpoint.
+
+    import tensormorph as tm
+    ck = tm.open("ckpts/step-1000")          # DCP, safetensors (sharded or not), torch .bin/.pt ...
+    w = ck["model.layers.0.attn.wq.weight"]
+    w.shape, w.dtype, w.chunks               # logical view and how it is stored
+    w[0:4, 100:108]                          # reads only the bytes it needs
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .core import DEFAULT_READ_BUDGET, Checkpoint, Chunk, LogicalTensor, ObjectEntry, Placement
+from .errors import CheckpointError
+from .formats import detect
+from .formats import open_checkpoint as _open
+
+__all__ = [
+    "Checkpoint", "CheckpointError", "Chunk", "DEFAULT_READ_BUDGET", "LogicalTensor", "ObjectEntry", "Placement",
+    "detect", "open",
+]
+__version__ = "0.1.0"
+
+
+def open(path: str | Path, format: str | None = None, *, read_budget: int = DEFAULT_READ_BUDGET) -> Checkpoint:
+    """Open a checkpoint file or folder of any supported format as one logical checkpoint.
+
+    `format` forces a reader ("safetensors", "hf-sharded", "torch", "dcp", "dcp-safetensors");
+    by default the format is detected from the content. Reads larger than `read_budget`
+    bytes raise BudgetExceededError unless forced.
+    """
+    checkpoint = _open(path, format)
+    if read_budget != DEFAULT_READ_BUDGET:
+        from dataclasses import replace
+
+        checkpoint = replace(checkpoint, tensors={n: t.with_budget(read_budget) for n, t in checkpoint.tensors.items()})
+    return checkpoint

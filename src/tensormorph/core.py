@@ -1,0 +1,389 @@
+"""The logical checkpoint: tensors made of chunks, and reads that touch only needed bytes.
+
+A `Checkpoint` maps logical tensor names to `LogicalTensor`s. Each tensor is
+tiled by `Chunk`s, each a box of the global tensor (offsets + shape) whose
+bytes live in one file. A file-level shard is one chunk covering the whole
+tensor; placement sharding gives several chunks. Reads intersect the request
+with each chunk and copy only the overlap, so a slice of a huge tensor reads
+only the pages it needs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from . import dtypes
+from .errors import BudgetExceededError, CheckpointError, ChunkLayoutError, TensorNotFoundError
+from .storage import LocalFiles
+
+DEFAULT_READ_BUDGET = 2 * 1024**3
+"""Reads that would materialise more bytes than this raise BudgetExceededError."""
+
+
+class ChunkSource(Protocol):
+    """Produces a chunk's local data as a numpy array (ideally a lazy memory-mapped view)."""
+
+    def array(self) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class MappedArray:
+    """A chunk stored raw at a byte offset of a file (safetensors, torch storages)."""
+
+    files: LocalFiles
+    file: str
+    offset: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    strides: tuple[int, ...] | None = None  # in elements; None means C-contiguous
+
+    def array(self) -> np.ndarray:
+        buffer = self.files.buffer(self.file)
+        if math.prod(self.shape) == 0:
+            return np.empty(self.shape, self.dtype)
+        byte_strides = None if self.strides is None else tuple(s * self.dtype.itemsize for s in self.strides)
+        return np.ndarray(self.shape, self.dtype, buffer=buffer, offset=self.offset, strides=byte_strides)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a tensor was distributed: a device mesh and one placement per mesh dimension."""
+
+    mesh_shape: tuple[int, ...]
+    placements: tuple[str, ...]  # e.g. ("Shard(0)", "Replicate()")
+    mesh_dim_names: tuple[str, ...] | None = None
+
+    def __str__(self) -> str:
+        names = self.mesh_dim_names or tuple(f"d{i}" for i in range(len(self.mesh_shape)))
+        mesh = ", ".join(f"{n}={s}" for n, s in zip(names, self.mesh_shape))
+        return f"mesh({mesh}) [{', '.join(self.placements)}]"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored box of a logical tensor."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    file: str | None
+    byte_range: tuple[int, int] | None  # [begin, end) of the data in `file`, when stored raw
+    source: ChunkSource = field(repr=False, compare=False)
+    ranks: tuple[int, ...] = ()  # ranks that wrote (or hold) this chunk, when the format records it
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def read(self) -> np.ndarray:
+        """This chunk's data (a read-only memory-mapped view where possible)."""
+        return self.source.array()
+
+
+@dataclass(frozen=True, eq=False)
+class LogicalTensor:
+    """A tensor as the model sees it, whatever the files and ranks it was split over."""
+
+    name: str
+    dtype: str  # safetensors vocabulary: "F32", "BF16", "F8_E4M3", ...
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+    placement: Placement | None = None
+    file_shard: tuple[int, int] | None = None  # (k, n): file-level sharding, "shard k of n"
+    read_budget: int = DEFAULT_READ_BUDGET
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return dtypes.numpy_dtype(self.dtype)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.numpy_dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(c.file for c in self.chunks if c.file is not None))
+
+    @property
+    def is_placement_sharded(self) -> bool:
+        return len(self.chunks) > 1
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        return self.read(index)
+
+    def read(self, index: Any = Ellipsis, *, budget: int | None = None) -> np.ndarray:
+        """Read a region (ints, slices with steps, Ellipsis), touching only overlapping chunks."""
+        plan = _IndexPlan.build(index, self.shape, self.name)
+        limit = self.read_budget if budget is None else budget
+        nbytes = math.prod(plan.out_shape) * self.numpy_dtype.itemsize
+        if nbytes > limit:
+            raise BudgetExceededError(
+                f"reading {human_bytes(nbytes)} exceeds the read budget of {human_bytes(limit)}; "
+                "read a smaller slice, raise the budget, or call full(force=True)",
+                tensor=self.name,
+                file=self.files[0] if self.files else None,
+            )
+        out = np.empty(plan.out_shape, self.numpy_dtype)
+        for chunk in self.chunks:
+            selection = plan.intersect(chunk.offsets, chunk.shape)
+            if selection is None:
+                continue
+            source_index, target_index = selection
+            try:
+                out[target_index] = chunk.read()[source_index]
+            except CheckpointError:
+                raise
+            except (ValueError, OSError, TypeError) as exc:
+                raise CheckpointError(f"cannot read chunk at offsets {chunk.offsets}: {exc}",
+                                      file=chunk.file, tensor=self.name) from exc
+        return plan.finish(out)
+
+    def full(self, *, force: bool = False) -> np.ndarray:
+        """The whole logical tensor; refuses above the read budget unless force=True."""
+        return self.read(Ellipsis, budget=None if not force else max(self.nbytes, 1))
+
+    def local(self, rank: int) -> np.ndarray:
+        """The data that one rank holds (the chunk that rank wrote)."""
+        held = [c for c in self.chunks if rank in c.ranks]
+        if len(held) == 1:
+            return held[0].read()
+        writers = sorted({r for c in self.chunks for r in c.ranks})
+        if not held:
+            detail = f"chunks were written by ranks {writers}" if writers else "this format records no ranks"
+            raise CheckpointError(
+                f"rank {rank} holds no stored chunk ({detail}; replicated copies are stored once)", tensor=self.name
+            )
+        raise CheckpointError(
+            f"rank {rank} holds {len(held)} chunks at offsets {[c.offsets for c in held]}; read them with chunk.read()",
+            tensor=self.name,
+        )
+
+    def with_budget(self, budget: int) -> LogicalTensor:
+        return replace(self, read_budget=budget)
+
+
+@dataclass(frozen=True)
+class ObjectEntry:
+    """A non-tensor entry (step counters, config, RNG state...)."""
+
+    name: str
+    nbytes: int | None
+    file: str | None
+    loader: Callable[[], Any] = field(repr=False, compare=False)
+
+    def value(self) -> Any:
+        """The decoded value; raises UnsafePickleError when it is not plain data."""
+        return self.loader()
+
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint(Mapping[str, LogicalTensor]):
+    """One logical checkpoint, whatever the files and ranks it is stored in."""
+
+    path: Path
+    format: str
+    tensors: Mapping[str, LogicalTensor]
+    objects: Mapping[str, ObjectEntry] = field(default_factory=dict)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    files: tuple[str, ...] = ()  # data files, relative to the checkpoint folder
+    storage: LocalFiles | None = field(default=None, repr=False)
+
+    def __getitem__(self, name: str) -> LogicalTensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise TensorNotFoundError("no such tensor in the checkpoint", file=str(self.path), tensor=name) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def header_bytes_read(self) -> int:
+        return self.storage.header_bytes_read if self.storage else 0
+
+    def close(self) -> None:
+        if self.storage is not None:
+            self.storage.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Checkpoint {self.format} {str(self.path)!r}: {len(self.tensors)} tensors, {human_bytes(self.nbytes)}>"
+
+
+def validate_tiling(name: str, shape: tuple[int, ...], chunks: list[Chunk], *, file: str | None = None) -> list[Chunk]:
+    """Check that chunks tile `shape` exactly; return them with identical replicas merged.
+
+    Raises ChunkLayoutError naming the tensor for chunks out of bounds, overlapping or leaving gaps.
+    """
+    unique: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk] = {}
+    for chunk in chunks:
+        if len(chunk.offsets) != len(shape) or len(chunk.shape) != len(shape):
+            raise ChunkLayoutError(
+                f"chunk at offsets {chunk.offsets} with shape {chunk.shape} has a different rank than the tensor {shape}",
+                file=chunk.file or file, tensor=name)
+        for o, s, n in zip(chunk.offsets, chunk.shape, shape):
+            if o < 0 or s < 0 or o + s > n:
+                raise ChunkLayoutError(
+                    f"chunk at offsets {chunk.offsets} with shape {chunk.shape} lies outside the tensor's shape {shape}",
+                    file=chunk.file or file, tensor=name)
+        key = (chunk.offsets, chunk.shape)
+        if key in unique:
+            kept = unique[key]
+            unique[key] = replace(kept, ranks=tuple(dict.fromkeys(kept.ranks + chunk.ranks)))
+        else:
+            unique[key] = chunk
+    boxes = [c for c in unique.values() if c.numel > 0]
+    boxes.sort(key=lambda c: c.offsets)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            if shape and b.offsets[0] >= a.offsets[0] + a.shape[0]:
+                break  # sorted by the first offset: nothing later can overlap a on dim 0
+            if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.shape, b.offsets, b.shape)):
+                raise ChunkLayoutError(
+                    f"chunks at offsets {a.offsets} (shape {a.shape}, {a.file}) and {b.offsets} "
+                    f"(shape {b.shape}, {b.file}) overlap", file=file, tensor=name)
+    covered = sum(c.numel for c in boxes)
+    total = math.prod(shape)
+    if covered != total:
+        raise ChunkLayoutError(
+            f"chunks cover {covered} of {total} elements of shape {shape}: {total - covered} elements are missing "
+            "(a shard file or chunk is absent)", file=file, tensor=name)
+    return list(unique.values())
+
+
+@dataclass(frozen=True)
+class _DimPlan:
+    start: int
+    step: int  # > 0
+    count: int
+    drop: bool  # an integer index: the dimension disappears from the result
+    reverse: bool  # a negative step: gather forwards, flip at the end
+
+
+@dataclass(frozen=True)
+class _IndexPlan:
+    dims: tuple[_DimPlan, ...]
+
+    @staticmethod
+    def build(index: Any, shape: tuple[int, ...], name: str) -> _IndexPlan:
+        items = index if isinstance(index, tuple) else (index,)
+        if sum(1 for item in items if item is Ellipsis) > 1:
+            raise CheckpointError("an index can hold only one Ellipsis", tensor=name)
+        explicit = [item for item in items if item is not Ellipsis]
+        if len(explicit) > len(shape):
+            raise CheckpointError(f"too many indices ({len(explicit)}) for a tensor of shape {shape}", tensor=name)
+        expanded: list[Any] = []
+        for item in items:
+            if item is Ellipsis:
+                expanded.extend([slice(None)] * (len(shape) - len(explicit)))
+            else:
+                expanded.append(item)
+        expanded.extend([slice(None)] * (len(shape) - len(expanded)))
+        dims = []
+        for axis, (item, size) in enumerate(zip(expanded, shape)):
+            if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+                position = int(item) + size if item < 0 else int(item)
+                if not 0 <= position < size:
+                    raise CheckpointError(f"index {item} is out of range for axis {axis} of size {size}", tensor=name)
+                dims.append(_DimPlan(position, 1, 1, True, False))
+            elif isinstance(item, slice):
+                if item.step == 0:
+                    raise CheckpointError(f"slice step cannot be zero (axis {axis})", tensor=name)
+                start, stop, step = item.indices(size)
+                positions = range(start, stop, step)
+                count = len(positions)
+                if step < 0 and count:
+                    dims.append(_DimPlan(positions[-1], -step, count, False, True))
+                else:
+                    dims.append(_DimPlan(start if count else 0, abs(step), count, False, False))
+            else:
+                raise CheckpointError(
+                    f"unsupported index {item!r} on axis {axis}: use ints, slices or Ellipsis", tensor=name)
+        return _IndexPlan(tuple(dims))
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return tuple(d.count for d in self.dims)
+
+    def intersect(self, offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+        """(index into the chunk, index into the output) for the overlap, or None when empty."""
+        source, target = [], []
+        for d, o, s in zip(self.dims, offsets, shape):
+            if d.count == 0 or s == 0:
+                return None
+            # selected positions are d.start + k*d.step for k in [0, d.count)
+            first = max(0, -(-(o - d.start) // d.step))
+            last = min(d.count, -(-(o + s - d.start) // d.step))
+            if first >= last:
+                return None
+            begin = d.start + first * d.step - o
+            source.append(slice(begin, begin + (last - first - 1) * d.step + 1, d.step))
+            target.append(slice(first, last))
+        return tuple(source), tuple(target)
+
+    def finish(self, out: np.ndarray) -> np.ndarray:
+        flips = tuple(slice(None, None, -1) if d.reverse else slice(None) for d in self.dims)
+        if any(d.reverse for d in self.dims):
+            out = np.ascontiguousarray(out[flips])
+        drops = tuple(0 if d.drop else slice(None) for d in self.dims)
+        return out[drops] if any(d.drop for d in self.dims) else out
+
+
+def human_bytes(nbytes: float) -> str:
+    """Bytes as a short human string (KiB, MiB, ...)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+
+
+def parse_index(text: str) -> tuple[Any, ...]:
+    """Parse a numpy-style index written as text ('0:4, 100:108', '..., -1', '::2') without eval."""
+    items: list[Any] = []
+    for part in (p.strip() for p in text.split(",")) if text.strip() else []:
+        if part in ("...", "…"):
+            items.append(Ellipsis)
+            continue
+        fields = part.split(":")
+        try:
+            if len(fields) == 1:
+                items.append(int(fields[0]))
+            elif len(fields) <= 3:
+                items.append(slice(*(int(f) if f.strip() else None for f in fields)))
+            else:
+                raise ValueError
+        except ValueError:
+            raise CheckpointError(f"cannot parse index {part!r} in {text!r}: use ints, start:stop[:step] or ...") \
+                from None
+    return tuple(items)

@@ -1,0 +1,55 @@
+"""Format readers: one module per format, each with `detect(path)` and `open(path)`.
+
+Modules in this package are found automatically; each declares NAME and a
+PRIORITY (lower is tried first, so specific formats win over generic ones).
+Adding a format means adding one module here and nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from pathlib import Path
+from types import ModuleType
+
+from ..core import Checkpoint
+from ..errors import CheckpointError, MissingFileError, UnknownFormatError
+
+
+def readers() -> list[ModuleType]:
+    """Every format module, in detection order."""
+    modules = [importlib.import_module(f"{__name__}.{info.name}") for info in pkgutil.iter_modules(__path__)]
+    return sorted((m for m in modules if hasattr(m, "detect") and hasattr(m, "NAME")), key=lambda m: m.PRIORITY)
+
+
+def detect(path: str | Path) -> str | None:
+    """The format name of the checkpoint at `path`, judged by content; None when unknown."""
+    path = Path(path)
+    for reader in readers():
+        if reader.detect(path):
+            return reader.NAME
+    return None
+
+
+def open_checkpoint(path: str | Path, format: str | None = None) -> Checkpoint:
+    """Open a checkpoint file or folder as one logical checkpoint."""
+    path = Path(path)
+    if not path.exists():
+        raise MissingFileError("no such file or folder", file=str(path))
+    by_name = {r.NAME: r for r in readers()}
+    if format is not None:
+        if format not in by_name:
+            raise UnknownFormatError(f"unknown format {format!r}; known: {', '.join(by_name)}", file=str(path))
+        reader = by_name[format]
+    else:
+        name = detect(path)
+        if name is None:
+            raise UnknownFormatError(
+                f"not a checkpoint any reader recognises (known formats: {', '.join(by_name)})", file=str(path))
+        reader = by_name[name]
+    try:
+        return reader.open(path)
+    except CheckpointError:
+        raise
+    except RecursionError:
+        raise CheckpointError("structure is nested too deeply to read", file=str(path)) from None

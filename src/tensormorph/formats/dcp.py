@@ -1,0 +1,315 @@
+"""PyTorch Distributed Checkpoint (DCP): `.metadata` plus `__{rank}_{n}.distcp` data files.
+
+`.metadata` is a plain pickle of DCP's metadata dataclasses. We rebuild it
+with the allowlist unpickler into stand-in records and convert those into
+chunks, so no torch import and no checkpoint code is needed. Each tensor
+item is a torch.save archive at (offset, length) of a data file, parsed
+lazily on first read so opening stays a metadata-only operation.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from .. import dtypes, safe_pickle, torchzip
+from ..core import Checkpoint, Chunk, LogicalTensor, ObjectEntry, validate_tiling
+from ..errors import HeaderError, TruncatedFileError, UnsafePickleError, UnsupportedError
+from ..storage import LocalFiles
+from . import safetensors as st
+
+NAME = "dcp"
+PRIORITY = 10
+
+METADATA_FILE = ".metadata"
+PER_RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
+DATA_FILE_RANK = re.compile(r"^__(\d+)_\d+\.distcp$")
+MAX_METADATA_BYTES = 1_000_000_000
+ZIP_OVERHEAD_ALLOWANCE = 1 << 20  # a chunk's archive is its data plus a few KiB of zip and pickle
+MAX_OBJECT_BYTES = 1 << 30
+
+_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed._shard.sharded_tensor.metadata")
+_RECORDS = ("Metadata", "MetadataIndex", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
+            "TensorProperties", "StorageMeta")
+
+
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    table: dict[tuple[str, str], Any] = dict(safe_pickle.BASE_GLOBALS)
+    for module in _MODULES:
+        for record in _RECORDS:
+            table[(module, record)] = safe_pickle.record_class(record)
+        table[(module, "_MEM_FORMAT_ENCODING")] = int
+        table[(module, "MEM_FORMAT_ENCODING")] = int
+    table[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = safe_pickle.record_class("_StorageInfo")
+    table[("torch.serialization", "_get_layout")] = str
+    table[("torch", "strided")] = "torch.strided"
+    for path_class in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
+        table[("pathlib", path_class)] = lambda *parts: str(PurePosixPath(*(str(p) for p in parts)))
+    return table
+
+
+def _metadata_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path] if path.name == METADATA_FILE or PER_RANK_METADATA.match(path.name) else []
+    if not path.is_dir():
+        return []
+    single = path / METADATA_FILE
+    if single.is_file():
+        return [single]
+    return sorted(p for p in path.iterdir() if PER_RANK_METADATA.match(p.name) and p.is_file())
+
+
+def detect(path: Path) -> bool:
+    candidates = _metadata_files(path)
+    if not candidates:
+        return False
+    with candidates[0].open("rb") as f:
+        head = f.read(256)
+    return head[:1] == b"\x80" and b"torch.distributed.checkpoint" in head
+
+
+@dataclass(frozen=True)
+class _Item:
+    file: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DcpItemArray:
+    """A tensor chunk stored as a torch.save archive at (offset, length) of a .distcp file."""
+
+    files: LocalFiles
+    item: _Item
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def array(self) -> np.ndarray:
+        buffer = _item_bytes(self.files, self.item, self.name,
+                             limit=int(np.prod(self.shape)) * dtypes.itemsize(self.dtype) + ZIP_OVERHEAD_ALLOWANCE)
+        compressed = bool(self.item.transforms)
+        ref = self._cache.get("ref") if not compressed else None
+        if ref is None:
+            ref = _single_tensor(torchzip.load(buffer, file=self._path, item=self.name), self._path, self.name)
+            if ref.dtype != self.dtype or ref.shape != self.shape:
+                raise HeaderError(f"item holds {ref.dtype}{list(ref.shape)}, but .metadata declares "
+                                  f"{self.dtype}{list(self.shape)}", file=self._path, tensor=self.name)
+            if not compressed:
+                self._cache["ref"] = ref
+        itemsize = dtypes.itemsize(ref.dtype)
+        strides = None if ref.is_contiguous else tuple(s * itemsize for s in ref.stride)
+        if int(np.prod(ref.shape)) == 0:
+            return np.empty(ref.shape, dtypes.numpy_dtype(ref.dtype))
+        return np.ndarray(ref.shape, dtypes.numpy_dtype(ref.dtype), buffer=buffer, offset=ref.offset, strides=strides)
+
+    @cached_property
+    def _path(self) -> str:
+        return str(self.files.resolve(self.item.file))
+
+
+def _single_tensor(value: Any, file: str, name: str) -> torchzip.TensorRef:
+    if not isinstance(value, torchzip.TensorRef):
+        raise HeaderError(f"item should hold one tensor, found {type(value).__name__}", file=file, tensor=name)
+    return value
+
+
+def _item_bytes(files: LocalFiles, item: _Item, name: str, *, limit: int) -> memoryview:
+    """The item's archive bytes: a view of the mapped file, or decompressed when transformed."""
+    raw = files.buffer(item.file)[item.offset:item.offset + item.length]
+    if not item.transforms:
+        return raw
+    path = str(files.resolve(item.file))
+    if list(item.transforms) != ["stream.zstd/1"] and not all(t.startswith("stream.zstd/") for t in item.transforms):
+        raise UnsupportedError(f"item uses transforms {list(item.transforms)}; only zstd ('stream.zstd/1') is supported",
+                               file=path, tensor=name)
+    try:
+        data = bytes(raw)
+        for _ in item.transforms:
+            with zstandard.ZstdDecompressor().stream_reader(data) as reader:
+                data = reader.read(limit + 1)
+            if len(data) > limit:
+                raise HeaderError(f"decompresses to more than the {limit} bytes expected", file=path, tensor=name)
+    except zstandard.ZstdError as exc:
+        raise HeaderError(f"zstd-compressed item is corrupt: {exc}", file=path, tensor=name) from None
+    return memoryview(data)
+
+
+def _decode_object(files: LocalFiles, item: _Item, name: str) -> Any:
+    path = str(files.resolve(item.file))
+    value = torchzip.load(_item_bytes(files, item, name, limit=MAX_OBJECT_BYTES), file=path, item=name)
+    if not safe_pickle.is_plain(value):
+        raise UnsafePickleError(f"holds a {type(value).__name__}, which is not plain data", file=path, tensor=name)
+    return value
+
+
+def _read_metadata(files: LocalFiles, name: str) -> Any:
+    size = files.size(name)
+    if size > MAX_METADATA_BYTES:
+        raise HeaderError(f"is {size} bytes, over the {MAX_METADATA_BYTES}-byte limit", file=str(files.resolve(name)))
+    data = files.read(name, 0, size)
+    record = safe_pickle.loads(data, _metadata_globals(), file=str(files.resolve(name)))
+    if type(record).__name__ != "Metadata":
+        raise HeaderError(f"holds a {type(record).__name__}, not DCP Metadata", file=str(files.resolve(name)))
+    return record
+
+
+def _attr(record: Any, name: str, file: str, expected: type | tuple[type, ...], default: Any = ...) -> Any:
+    value = getattr(record, name, default)
+    if value is ...:
+        raise HeaderError(f"{type(record).__name__} lacks field {name!r}", file=file)
+    if value is not None and not isinstance(value, expected):
+        raise HeaderError(f"{type(record).__name__}.{name} should be {expected}, found {type(value).__name__}",
+                          file=file)
+    return value
+
+
+def _ints(value: Any, what: str, file: str, name: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise HeaderError(f"{what} should be a list of integers, found {value!r}", file=file, tensor=name)
+    return tuple(value)
+
+
+def _dtype_of(properties: Any, file: str, name: str) -> str:
+    dtype = getattr(properties, "dtype", None)
+    state = getattr(properties, "state", None)
+    if dtype is None and isinstance(state, tuple) and state:
+        dtype = state[0]
+    if not isinstance(dtype, safe_pickle.TorchDType) or dtype.torch_name not in dtypes.TORCH_DTYPE_NAMES:
+        raise HeaderError(f"unsupported or missing dtype {dtype!r}", file=file, tensor=name)
+    return dtype.vocabulary
+
+
+def _plain(value: Any) -> Any:
+    """Metadata fields as JSON-able values for Checkpoint.metadata."""
+    if isinstance(value, safe_pickle.Record):
+        return {k: _plain(v) for k, v in vars(value).items() if k != "args"}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return repr(value)
+
+
+def open(path: Path) -> Checkpoint:
+    metadata_paths = _metadata_files(path)
+    if not metadata_paths:
+        raise HeaderError("no .metadata file: not a finished DCP checkpoint", file=str(path))
+    root = metadata_paths[0].parent
+    files = LocalFiles(root)
+    records = [_read_metadata(files, p.name) for p in metadata_paths]
+    where = str(metadata_paths[0])
+
+    state: dict[str, Any] = {}
+    storage: dict[tuple[str, tuple[int, ...] | None], _Item] = {}
+    for record in records:
+        for fqn, entry in (_attr(record, "state_dict_metadata", where, dict) or {}).items():
+            if not isinstance(fqn, str):
+                raise HeaderError(f"state_dict_metadata key {fqn!r} is not a string", file=where)
+            previous = state.get(fqn)
+            if previous is not None and type(entry).__name__ == "TensorStorageMetadata":
+                previous.chunks = list(previous.chunks) + list(getattr(entry, "chunks", []))  # per-rank metadata files
+            else:
+                state[fqn] = entry
+        for index, info in (_attr(record, "storage_data", where, dict) or {}).items():
+            storage[_storage_key(index, where)] = _item(info, files, where)
+
+    data_files = sorted({item.file for item in storage.values()})
+    sizes = {f: files.size(f) for f in data_files}
+    for key, item in storage.items():
+        if item.offset < 0 or item.length < 0 or item.offset + item.length > sizes[item.file]:
+            raise TruncatedFileError(f"item [{item.offset}, {item.offset + item.length}) lies past the end of the "
+                                     f"{sizes[item.file]}-byte file", file=str(files.resolve(item.file)), tensor=key[0])
+    safetensors_headers = {f: st.read_header(files, f) for f in data_files
+                           if st.looks_like_safetensors(files.resolve(f))}
+
+    tensors: dict[str, LogicalTensor] = {}
+    objects: dict[str, ObjectEntry] = {}
+    for fqn, entry in state.items():
+        kind = type(entry).__name__
+        if kind == "BytesStorageMetadata":
+            item = storage.get((fqn, None))
+            if item is None:
+                raise HeaderError("no storage entry for this object", file=where, tensor=fqn)
+            objects[fqn] = ObjectEntry(fqn, item.length, item.file,
+                                       loader=lambda i=item, n=fqn: _decode_object(files, i, n))
+        elif kind == "TensorStorageMetadata":
+            tensors[fqn] = _tensor(fqn, entry, storage, files, where, safetensors_headers)
+        else:
+            raise HeaderError(f"unknown storage metadata {kind}", file=where, tensor=fqn)
+
+    record = records[0]
+    metadata = {
+        "version": getattr(record, "version", None),
+        "storage_meta": _plain(getattr(record, "storage_meta", None)),
+        "planner_data": _plain(getattr(record, "planner_data", None)),
+        "metadata_files": [p.name for p in metadata_paths],
+    }
+    return Checkpoint(path=root, format=NAME, tensors=tensors, objects=objects, metadata=metadata,
+                      files=tuple(data_files), storage=files)
+
+
+def _storage_key(index: Any, where: str) -> tuple[str, tuple[int, ...] | None]:
+    fqn = getattr(index, "fqn", None)
+    if type(index).__name__ != "MetadataIndex" or not isinstance(fqn, str):
+        raise HeaderError(f"storage_data key {index!r} is not a MetadataIndex", file=where)
+    offset = getattr(index, "offset", None)
+    return fqn, None if offset is None else _ints(offset, "MetadataIndex.offset", where, fqn)
+
+
+def _item(info: Any, files: LocalFiles, where: str) -> _Item:
+    relative = _attr(info, "relative_path", where, str)
+    offset = _attr(info, "offset", where, int)
+    length = _attr(info, "length", where, int)
+    transforms = _attr(info, "transform_descriptors", where, (list, tuple), default=None) or ()
+    files.resolve(relative, referrer=where)
+    if not all(isinstance(t, str) for t in transforms):
+        raise HeaderError(f"transform_descriptors should be strings, found {transforms!r}", file=where)
+    return _Item(relative, offset, length, tuple(transforms))
+
+
+def _tensor(fqn: str, entry: Any, storage: dict, files: LocalFiles, where: str,
+            safetensors_headers: dict[str, st.Header]) -> LogicalTensor:
+    dtype = _dtype_of(getattr(entry, "properties", None), where, fqn)
+    shape = _ints(getattr(entry, "size", None), "size", where, fqn)
+    if any(d < 0 for d in shape):
+        raise HeaderError(f"negative size {shape}", file=where, tensor=fqn)
+    chunks = []
+    for chunk_record in getattr(entry, "chunks", None) or []:
+        offsets = _ints(getattr(chunk_record, "offsets", None), "chunk offsets", where, fqn)
+        sizes = _ints(getattr(chunk_record, "sizes", None), "chunk sizes", where, fqn)
+        item = storage.get((fqn, offsets))
+        if item is None:
+            raise HeaderError(f"chunk at offsets {list(offsets)} has no storage entry", file=where, tensor=fqn)
+        match = DATA_FILE_RANK.match(item.file)
+        ranks = (int(match.group(1)),) if match else ()
+        header = safetensors_headers.get(item.file)
+        if header is not None:
+            chunks.append(_safetensors_chunk(files, header, item, fqn, dtype, offsets, sizes, ranks))
+            continue
+        source = DcpItemArray(files, item, fqn, dtype, sizes)
+        chunks.append(Chunk(offsets, sizes, item.file, (item.offset, item.offset + item.length), source, ranks))
+    return LogicalTensor(fqn, dtype, shape, tuple(validate_tiling(fqn, shape, chunks, file=where)))
+
+
+def _safetensors_chunk(files: LocalFiles, header: st.Header, item: _Item, fqn: str, dtype: str,
+                       offsets: tuple[int, ...], sizes: tuple[int, ...], ranks: tuple[int, ...]) -> Chunk:
+    """DCP saved with serialization_format=SAFETENSORS: the data file is a safetensors file keyed by fqn."""
+    entry = header.entries.get(fqn)
+    path = str(files.resolve(item.file))
+    if entry is None:
+        raise HeaderError("the safetensors data file lacks this tensor", file=path, tensor=fqn)
+    if entry.dtype != dtype or entry.shape != sizes:
+        raise HeaderError(f"holds {entry.dtype}{list(entry.shape)}, .metadata declares {dtype}{list(sizes)}",
+                          file=path, tensor=fqn)
+    return st.whole_chunk(files, entry, item.file, offsets=offsets, ranks=ranks)

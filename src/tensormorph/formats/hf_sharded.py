@@ -1,0 +1,145 @@
+"""Hugging Face file-level sharding: an index.json whose weight_map names the file holding each tensor.
+
+Works for `model.safetensors.index.json` and `pytorch_model.bin.index.json`
+(and any `*.index.json` of the same shape). A folder of several safetensors
+files without an index is read the same way, each tensor from the one file
+that holds it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..core import Checkpoint, LogicalTensor, ObjectEntry
+from ..errors import HeaderError, MissingFileError, TensorNotFoundError
+from ..storage import LocalFiles
+from . import safetensors as st
+from . import torch_pickle
+
+NAME = "hf-sharded"
+PRIORITY = 30
+
+MAX_INDEX_BYTES = 100_000_000
+PREFERRED_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def _index_file(path: Path) -> Path | None:
+    if path.is_file():
+        return path if path.name.endswith(".index.json") else None
+    if not path.is_dir():
+        return None
+    for name in PREFERRED_INDEXES:
+        if (path / name).is_file():
+            return path / name
+    others = sorted(path.glob("*.index.json"))
+    return others[0] if others else None
+
+
+def _unindexed_safetensors(path: Path) -> list[Path]:
+    if not path.is_dir():
+        return []
+    found = sorted(path.glob("*.safetensors"))
+    return found if len(found) > 1 and all(st.looks_like_safetensors(p) for p in found) else []
+
+
+def detect(path: Path) -> bool:
+    index = _index_file(path)
+    if index is not None:
+        try:
+            with index.open("rb") as f:
+                return b'"weight_map"' in f.read(1 << 20) or _is_index(index)
+        except OSError:
+            return False
+    return bool(_unindexed_safetensors(path))
+
+
+def _is_index(index: Path) -> bool:
+    try:
+        return "weight_map" in json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+
+
+def read_index(files: LocalFiles, name: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """(weight_map, metadata) of an index file, validated."""
+    path = str(files.resolve(name))
+    size = files.size(name)
+    if size > MAX_INDEX_BYTES:
+        raise HeaderError(f"index is {size} bytes, over the {MAX_INDEX_BYTES}-byte limit", file=path)
+    try:
+        index = json.loads(files.read(name, 0, size).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise HeaderError(f"index is not valid UTF-8 JSON: {exc}", file=path) from None
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+        raise HeaderError("index must be a JSON object with a 'weight_map' object", file=path)
+    weight_map = index["weight_map"]
+    for tensor, file in weight_map.items():
+        if not isinstance(file, str):
+            raise HeaderError(f"weight_map value must be a file name, found {file!r}", file=path, tensor=tensor)
+        files.resolve(file, referrer=path)
+    metadata = index.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise HeaderError("index 'metadata' must be an object", file=path)
+    return weight_map, metadata
+
+
+def open(path: Path) -> Checkpoint:
+    index = _index_file(path)
+    if index is None:
+        shards = _unindexed_safetensors(path)
+        if not shards:
+            raise HeaderError("no *.index.json and not a folder of several safetensors files", file=str(path))
+        root, weight_map, metadata = path, None, {}
+        shard_names = [p.name for p in shards]
+    else:
+        root = index.parent
+        files = LocalFiles(root)
+        weight_map, metadata = read_index(files, index.name)
+        shard_names = list(dict.fromkeys(weight_map.values()))
+    files = LocalFiles(root)
+    where = str(index or path)
+    tensors: dict[str, LogicalTensor] = {}
+    objects: dict[str, ObjectEntry] = {}
+    file_metadata: dict[str, dict[str, str]] = {}
+    for number, shard in enumerate(shard_names, start=1):
+        if not files.exists(shard):
+            raise MissingFileError(f"shard file {shard!r} named by the index is missing", file=where)
+        found, found_objects, extra = _read_shard(files, shard)
+        if extra:
+            file_metadata[shard] = extra
+        expected = None if weight_map is None else {t for t, f in weight_map.items() if f == shard}
+        for name, tensor in found.items():
+            if expected is not None and name not in expected:
+                continue  # a tensor the index assigns elsewhere (or omits) is not part of the checkpoint
+            if name in tensors:
+                raise HeaderError(f"tensor appears in both {tensors[name].files[0]!r} and {shard!r}",
+                                  file=where, tensor=name)
+            tensors[name] = LogicalTensor(name, tensor.dtype, tensor.shape, tensor.chunks,
+                                          file_shard=(number, len(shard_names)))
+        objects.update(found_objects)
+        if expected is not None:
+            missing = sorted(expected - found.keys())
+            if missing:
+                raise TensorNotFoundError(f"the index assigns it to {shard!r}, which does not contain it",
+                                          file=str(files.resolve(shard)), tensor=missing[0])
+    if weight_map is not None:
+        tensors = {name: tensors[name] for name in weight_map}  # the index's order
+    metadata = {**metadata, "index": index.name if index else None}
+    if file_metadata:
+        metadata["file_metadata"] = file_metadata
+    return Checkpoint(path=root, format=NAME, tensors=tensors, objects=objects, metadata=metadata,
+                      files=tuple(shard_names), storage=files)
+
+
+def _read_shard(files: LocalFiles, shard: str) -> tuple[dict[str, LogicalTensor], dict[str, ObjectEntry], dict]:
+    if st.looks_like_safetensors(files.resolve(shard)):
+        header = st.read_header(files, shard)
+        tensors = {e.name: LogicalTensor(e.name, e.dtype, e.shape, (st.whole_chunk(files, e, shard),))
+                   for e in header.entries.values()}
+        return tensors, {}, header.metadata
+    if torch_pickle.looks_like_torch(files.resolve(shard)):
+        tensors, objects = torch_pickle.read_file(files, shard)
+        return tensors, objects, {}
+    raise HeaderError("shard is neither a safetensors nor a torch.save file", file=str(files.resolve(shard)))

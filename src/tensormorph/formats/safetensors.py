@@ -1,0 +1,155 @@
+"""One safetensors file: `u64 header length`, a JSON header, then raw data."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import dtypes
+from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray
+from ..errors import HeaderError, TruncatedFileError
+from ..storage import LocalFiles
+
+NAME = "safetensors"
+PRIORITY = 40
+
+MAX_HEADER_BYTES = 100_000_000
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor record of a safetensors header, with absolute byte offsets."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Header:
+    file: str
+    entries: dict[str, Entry]
+    metadata: dict[str, str]
+    data_start: int
+
+
+def looks_like_safetensors(path: Path) -> bool:
+    """True when the file starts with a plausible header length followed by '{'."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(9)
+            size = f.seek(0, 2)
+    except OSError:
+        return False
+    if len(head) < 9 or head[8:9] != b"{":
+        return False
+    (length,) = struct.unpack("<Q", head[:8])
+    return length <= min(MAX_HEADER_BYTES, size - 8)
+
+
+def read_header(files: LocalFiles, name: str) -> Header:
+    """Parse and validate one file's header; every problem is a HeaderError naming the file."""
+    path = str(files.resolve(name))
+    size = files.size(name)
+    if size < 8:
+        raise TruncatedFileError(f"is {size} bytes long; a safetensors file starts with an 8-byte header length",
+                                 file=path)
+    (length,) = struct.unpack("<Q", files.read(name, 0, 8))
+    if length > MAX_HEADER_BYTES:
+        raise HeaderError(f"header length {length} exceeds the limit of {MAX_HEADER_BYTES} bytes", file=path)
+    if length > size - 8:
+        raise TruncatedFileError(f"header length {length} runs past the end of the {size}-byte file", file=path)
+    raw = files.read(name, 8, length)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise HeaderError(f"header is not valid UTF-8 JSON: {exc}", file=path) from None
+    if not isinstance(header, dict):
+        raise HeaderError(f"header must be a JSON object, found {type(header).__name__}", file=path)
+    data_start = 8 + length
+    data_len = size - data_start
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise HeaderError("__metadata__ must map strings to strings", file=path)
+    entries: dict[str, Entry] = {}
+    for tensor, info in header.items():
+        entries[tensor] = _entry(path, tensor, info, data_start, data_len)
+    spans = sorted((e.begin, e.end, e.name) for e in entries.values() if e.end > e.begin)
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise HeaderError(f"the data of {n0!r} [{b0 - data_start}, {e0 - data_start}) and "
+                              f"{n1!r} [{b1 - data_start}, {e1 - data_start}) overlap", file=path)
+    return Header(name, entries, metadata, data_start)
+
+
+def _entry(path: str, tensor: str, info: object, data_start: int, data_len: int) -> Entry:
+    if not isinstance(info, dict):
+        raise HeaderError("header entry must be an object with dtype, shape, data_offsets", file=path, tensor=tensor)
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in dtypes.NUMPY_DTYPES:
+        raise HeaderError(f"unknown dtype {dtype!r}; expected one of {', '.join(dtypes.NUMPY_DTYPES)}",
+                          file=path, tensor=tensor)
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise HeaderError(f"shape must be a list of non-negative integers, found {shape!r}", file=path, tensor=tensor)
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
+            or offsets[0] > offsets[1]):
+        raise HeaderError(f"data_offsets must be [begin, end] with 0 <= begin <= end, found {offsets!r}",
+                          file=path, tensor=tensor)
+    begin, end = offsets
+    expected = math.prod(shape) * dtypes.itemsize(dtype)
+    if end - begin != expected:
+        raise HeaderError(f"holds {end - begin} bytes, but shape {shape} of {dtype} needs {expected}",
+                          file=path, tensor=tensor)
+    if end > data_len:
+        raise TruncatedFileError(f"data ends at byte {end} of the data section, but the file holds only {data_len}",
+                                 file=path, tensor=tensor)
+    return Entry(tensor, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def whole_chunk(files: LocalFiles, entry: Entry, file: str, *, offsets: tuple[int, ...] | None = None,
+                ranks: tuple[int, ...] = ()) -> Chunk:
+    """A chunk for one header entry, placed at `offsets` of its logical tensor (origin by default)."""
+    return Chunk(
+        offsets=offsets if offsets is not None else (0,) * len(entry.shape),
+        shape=entry.shape,
+        file=file,
+        byte_range=(entry.begin, entry.end),
+        source=MappedArray(files, file, entry.begin, np.dtype(dtypes.numpy_dtype(entry.dtype)), entry.shape),
+        ranks=ranks,
+    )
+
+
+def detect(path: Path) -> bool:
+    if path.is_dir():
+        candidates = list(path.glob("*.safetensors"))
+        return len(candidates) == 1 and looks_like_safetensors(candidates[0])
+    return looks_like_safetensors(path)
+
+
+def open(path: Path) -> Checkpoint:
+    file_path = path
+    if path.is_dir():
+        candidates = sorted(path.glob("*.safetensors"))
+        if len(candidates) != 1:
+            raise HeaderError(f"expected exactly one .safetensors file in the folder, found {len(candidates)}",
+                              file=str(path))
+        file_path = candidates[0]
+    files = LocalFiles(file_path.parent)
+    header = read_header(files, file_path.name)
+    tensors = {
+        e.name: LogicalTensor(e.name, e.dtype, e.shape, (whole_chunk(files, e, file_path.name),))
+        for e in header.entries.values()
+    }
+    return Checkpoint(path=file_path, format=NAME, tensors=tensors, metadata=dict(header.metadata),
+                      files=(file_path.name,), storage=files)

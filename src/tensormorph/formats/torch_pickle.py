@@ -1,0 +1,115 @@
+"""PyTorch pickle checkpoints (.bin, .pt, .pth in torch.save's zip format), read without torch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import dtypes, torchzip
+from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray, ObjectEntry
+from ..errors import HeaderError
+from ..storage import LocalFiles
+
+NAME = "torch"
+PRIORITY = 50
+
+SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+# torch.save's legacy format starts with a pickled magic number (0x1950a86a20f9469cfc6c).
+LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+
+
+def looks_like_torch(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(LEGACY_MAGIC))
+    except OSError:
+        return False
+    if head.startswith(LEGACY_MAGIC):
+        return True
+    return torchzip.is_torch_zip(head) and _has_data_pkl(path)
+
+
+def _has_data_pkl(path: Path) -> bool:
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(n == "data.pkl" or n.endswith("/data.pkl") for n in archive.namelist())
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return False
+
+
+def _single_file(path: Path) -> Path | None:
+    if not path.is_dir():
+        return path
+    candidates = [p for p in sorted(path.iterdir()) if p.suffix in SUFFIXES and p.is_file()]
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def detect(path: Path) -> bool:
+    file = _single_file(path)
+    return file is not None and looks_like_torch(file)
+
+
+def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted name, leaf) pairs of a nested dict/list tree; tensors and plain values are leaves."""
+    if isinstance(value, dict) and value:
+        for key, child in value.items():
+            yield from flatten(child, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(value, (list, tuple)) and value and any(_has_tensor(v) for v in value):
+        for i, child in enumerate(value):
+            yield from flatten(child, f"{prefix}.{i}" if prefix else str(i))
+    else:
+        yield prefix, value
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torchzip.TensorRef):
+        return True
+    if isinstance(value, dict):
+        return any(_has_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_tensor(v) for v in value)
+    return False
+
+
+def tensor_chunk(files: LocalFiles, file: str, ref: torchzip.TensorRef, *, base: int = 0,
+                 offsets: tuple[int, ...] | None = None, ranks: tuple[int, ...] = ()) -> Chunk:
+    """A memory-mapped chunk for a tensor of an archive that starts at byte `base` of `file`."""
+    dtype = np.dtype(dtypes.numpy_dtype(ref.dtype))
+    begin, end = ref.byte_span
+    strides = None if ref.is_contiguous else ref.stride
+    return Chunk(
+        offsets=offsets if offsets is not None else (0,) * len(ref.shape),
+        shape=ref.shape,
+        file=file,
+        byte_range=(base + begin, base + end),
+        source=MappedArray(files, file, base + ref.offset, dtype, ref.shape, strides),
+        ranks=ranks,
+    )
+
+
+def read_file(files: LocalFiles, file: str) -> tuple[dict[str, LogicalTensor], dict[str, ObjectEntry]]:
+    """The tensors and plain objects of one torch.save file, by dotted name."""
+    tree = torchzip.load(files.buffer(file), file=str(files.resolve(file)))
+    tensors: dict[str, LogicalTensor] = {}
+    objects: dict[str, ObjectEntry] = {}
+    for name, leaf in flatten(tree):
+        if isinstance(leaf, torchzip.TensorRef):
+            tensors[name] = LogicalTensor(name, leaf.dtype, leaf.shape, (tensor_chunk(files, file, leaf),))
+        else:
+            objects[name] = ObjectEntry(name, None, file, loader=lambda v=leaf: v)
+    return tensors, objects
+
+
+def open(path: Path) -> Checkpoint:
+    file_path = _single_file(path)
+    if file_path is None:
+        raise HeaderError(f"expected exactly one of {', '.join(SUFFIXES)} in the folder", file=str(path))
+    files = LocalFiles(file_path.parent)
+    tensors, objects = read_file(files, file_path.name)
+    return Checkpoint(path=file_path, format=NAME, tensors=tensors, objects=objects,
+                      files=(file_path.name,), storage=files)

@@ -1,0 +1,1 @@
+"""Pure functions over checkpoints: summaries, module trees, statistics."""

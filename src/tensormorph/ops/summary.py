@@ -1,0 +1,75 @@
+"""What `inspect` shows: a checkpoint's tensors, how each is split, and totals, as plain data."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from ..core import Checkpoint, Chunk, LogicalTensor
+
+
+def split_description(tensor: LogicalTensor) -> str:
+    """How a tensor is stored, in words: file-level shard, placement chunks, or one piece."""
+    if tensor.is_placement_sharded:
+        ranks = sorted({r for c in tensor.chunks for r in c.ranks})
+        who = f", ranks {_ranges(ranks)}" if ranks else ""
+        return f"{len(tensor.chunks)} chunks{who}"
+    if tensor.file_shard is not None:
+        k, n = tensor.file_shard
+        return f"shard {k} of {n}"
+    return "whole"
+
+
+def _ranges(numbers: list[int]) -> str:
+    parts, start = [], None
+    for i, n in enumerate(numbers):
+        if start is None:
+            start = n
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            parts.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ",".join(parts)
+
+
+def chunk_record(chunk: Chunk) -> dict[str, Any]:
+    return {"offsets": list(chunk.offsets), "shape": list(chunk.shape), "file": chunk.file,
+            "byte_range": list(chunk.byte_range) if chunk.byte_range else None, "ranks": list(chunk.ranks)}
+
+
+def tensor_record(tensor: LogicalTensor, *, chunks: bool = True) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "name": tensor.name, "dtype": tensor.dtype, "shape": list(tensor.shape), "numel": tensor.numel,
+        "nbytes": tensor.nbytes, "split": split_description(tensor), "files": list(tensor.files),
+        "file_shard": list(tensor.file_shard) if tensor.file_shard else None,
+        "placement": None if tensor.placement is None else {
+            "mesh_shape": list(tensor.placement.mesh_shape), "placements": list(tensor.placement.placements),
+            "mesh_dim_names": list(tensor.placement.mesh_dim_names or [])},
+        "chunk_count": len(tensor.chunks),
+    }
+    if chunks:
+        record["chunks"] = [chunk_record(c) for c in tensor.chunks]
+    return record
+
+
+def totals_by_dtype(checkpoint: Checkpoint) -> dict[str, dict[str, int]]:
+    counts: Counter = Counter()
+    sizes: Counter = Counter()
+    elements: Counter = Counter()
+    for tensor in checkpoint.values():
+        counts[tensor.dtype] += 1
+        sizes[tensor.dtype] += tensor.nbytes
+        elements[tensor.dtype] += tensor.numel
+    return {d: {"tensors": counts[d], "params": elements[d], "nbytes": sizes[d]}
+            for d in sorted(sizes, key=sizes.__getitem__, reverse=True)}
+
+
+def describe(checkpoint: Checkpoint, *, chunks: bool = True) -> dict[str, Any]:
+    """Everything `tensormorph inspect` prints, as JSON-able data."""
+    objects = [{"name": o.name, "nbytes": o.nbytes, "file": o.file} for o in checkpoint.objects.values()]
+    return {
+        "path": str(checkpoint.path), "format": checkpoint.format, "files": list(checkpoint.files),
+        "tensor_count": len(checkpoint), "params": sum(t.numel for t in checkpoint.values()),
+        "nbytes": checkpoint.nbytes, "totals_by_dtype": totals_by_dtype(checkpoint),
+        "metadata": dict(checkpoint.metadata), "objects": objects,
+        "tensors": [tensor_record(t, chunks=chunks) for t in checkpoint.values()],
+    }

@@ -1,0 +1,152 @@
+"""An allowlist unpickler: rebuilds plain data and known records, never runs a checkpoint's code.
+
+Every global a pickle names is looked up in an explicit table of harmless
+stand-ins (our own functions and record classes). Any other global — such as
+os.system, builtins.eval or a class with a `__reduce__` trick — is refused
+with an UnsafePickleError naming it, before anything is called.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import dtypes
+from .errors import CheckpointError, HeaderError, UnsafePickleError
+
+Globals = Mapping[tuple[str, str], Any]
+
+
+@dataclass(frozen=True)
+class TorchDType:
+    """Stand-in for a torch dtype object such as torch.float32."""
+
+    torch_name: str
+
+    @property
+    def vocabulary(self) -> str:
+        return dtypes.TORCH_DTYPE_NAMES[self.torch_name]
+
+    def __repr__(self) -> str:
+        return f"torch.{self.torch_name}"
+
+
+class Record:
+    """Stand-in for an allowed class: keeps constructor arguments and pickled state as attributes."""
+
+    kind = "Record"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.args = args
+        self.__dict__.update(kwargs)
+
+    def __setstate__(self, state: Any) -> None:
+        # dataclasses with __slots__ pickle as (dict_state, slot_state); others as a dict.
+        if isinstance(state, tuple) and len(state) == 2 and all(s is None or isinstance(s, dict) for s in state):
+            for part in state:
+                if part:
+                    self._update(part)
+        elif isinstance(state, dict):
+            self._update(state)
+        else:
+            self.state = state
+
+    def _update(self, values: dict) -> None:
+        for key, value in values.items():
+            if not isinstance(key, str) or key.startswith("__"):
+                raise HeaderError(f"record {self.kind} carries an invalid attribute name {key!r}")
+            setattr(self, key, value)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{self.kind}({fields})"
+
+
+def record_class(kind: str) -> type[Record]:
+    """A fresh Record subclass named after the class it stands in for."""
+    return type(kind, (Record,), {"kind": kind})
+
+
+def _torch_size(values: Any = ()) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+def _ordered_dict(*args: Any) -> collections.OrderedDict:
+    return collections.OrderedDict(*args)
+
+
+def _encode(text: str, encoding: str = "latin1") -> bytes:
+    # Protocol-2 pickles of bytes go through _codecs.encode(str, 'latin1').
+    if encoding not in ("latin1", "latin-1"):
+        raise HeaderError(f"_codecs.encode with encoding {encoding!r} is not plain data")
+    return text.encode("latin1")
+
+
+BASE_GLOBALS: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): _ordered_dict,
+    ("torch", "Size"): _torch_size,
+    ("_codecs", "encode"): _encode,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "complex"): complex,
+    **{("torch", name): TorchDType(name) for name in dtypes.TORCH_DTYPE_NAMES},
+}
+"""Globals that only build plain values; every safe reader starts from these."""
+
+
+class _AllowlistUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes | memoryview, allowed: Globals, persistent: Callable[[Any], Any] | None,
+                 file: str | None):
+        super().__init__(io.BytesIO(data))
+        self._allowed = allowed
+        self._persistent = persistent
+        self._file = file
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._allowed[(module, name)]
+        except KeyError:
+            raise UnsafePickleError(
+                f"refuses global {module}.{name}: it is not on the allowlist of plain data and tensor records, "
+                "and loading it could run code", file=self._file) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is None:
+            raise UnsafePickleError(f"unexpected persistent id {pid!r}", file=self._file)
+        return self._persistent(pid)
+
+
+def loads(data: bytes | memoryview, allowed: Globals = BASE_GLOBALS, *,
+          persistent: Callable[[Any], Any] | None = None, file: str | None = None) -> Any:
+    """Unpickle `data` using only the stand-ins in `allowed`.
+
+    Returns the value, or raises a CheckpointError (UnsafePickleError for a refused global,
+    HeaderError for a malformed stream); never any other exception.
+    """
+    try:
+        return _AllowlistUnpickler(data, allowed, persistent, file).load()
+    except CheckpointError as exc:
+        if exc.file is None and file is not None:
+            raise type(exc)(str(exc), file=file) from None
+        raise
+    except RecursionError:
+        raise HeaderError("pickle is nested too deeply", file=file) from None
+    except Exception as exc:  # any malformed stream: the pickle module raises many types
+        raise HeaderError(f"pickle is malformed ({type(exc).__name__}: {exc})", file=file) from None
+
+
+def is_plain(value: Any, depth: int = 0) -> bool:
+    """True for values made only of numbers, strings, bytes, None, bools and containers of them."""
+    if depth > 100:
+        return False
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, TorchDType)):
+        return True
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return all(is_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(is_plain(k, depth + 1) and is_plain(v, depth + 1) for k, v in value.items())
+    return False

@@ -1,0 +1,93 @@
+"""Where a checkpoint's bytes live: files inside one root folder, memory-mapped.
+
+Nothing here knows a format. Every path a format names goes through
+`resolve`, which refuses absolute paths, `..` and symlinks that leave the
+checkpoint's folder, so no checkpoint can make us read another file.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from pathlib import Path, PurePosixPath
+
+from .errors import MissingFileError, TruncatedFileError, UnsafePathError
+
+_EMPTY = memoryview(b"")
+
+
+class LocalFiles:
+    """The files of one checkpoint folder, opened read-only and mapped on demand."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root).resolve()
+        self._maps: dict[Path, mmap.mmap | None] = {}
+        self._lock = threading.Lock()
+        self.header_bytes_read = 0
+
+    def resolve(self, name: str | os.PathLike, *, referrer: str | None = None) -> Path:
+        """The absolute path of `name`, which must stay inside the root folder."""
+        text = os.fspath(name)
+        pure = PurePosixPath(text.replace("\\", "/"))
+        who = referrer or str(self.root)
+        if not text or pure.is_absolute() or ".." in pure.parts or text.startswith("~"):
+            raise UnsafePathError(f"names file {text!r}, which is outside the checkpoint folder", file=who)
+        candidate = self.root.joinpath(*pure.parts)
+        real = candidate.resolve()
+        if real != self.root and self.root not in real.parents:
+            raise UnsafePathError(
+                f"names file {text!r}, a link that resolves outside the checkpoint folder to {real}", file=who
+            )
+        return real
+
+    def exists(self, name: str) -> bool:
+        return self.resolve(name).is_file()
+
+    def size(self, name: str) -> int:
+        path = self.resolve(name)
+        try:
+            return path.stat().st_size
+        except FileNotFoundError:
+            raise MissingFileError("file is missing", file=str(path)) from None
+
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        """Read exactly `length` bytes (headers, indexes): counted in header_bytes_read."""
+        path = self.resolve(name)
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read(length)
+        except FileNotFoundError:
+            raise MissingFileError("file is missing", file=str(path)) from None
+        if len(data) != length:
+            raise TruncatedFileError(
+                f"expected {length} bytes at offset {offset}, the file ends after {len(data)}", file=str(path)
+            )
+        self.header_bytes_read += length
+        return data
+
+    def buffer(self, name: str) -> memoryview:
+        """A read-only memory map of the whole file (pages are read only when touched)."""
+        path = self.resolve(name)
+        with self._lock:
+            if path not in self._maps:
+                try:
+                    with open(path, "rb") as f:
+                        size = os.fstat(f.fileno()).st_size
+                        self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+                except FileNotFoundError:
+                    raise MissingFileError("file is missing", file=str(path)) from None
+            mapped = self._maps[path]
+        return memoryview(mapped) if mapped is not None else _EMPTY
+
+    def close(self) -> None:
+        with self._lock:
+            for mapped in self._maps.values():
+                if mapped is not None:
+                    try:
+                        mapped.close()
+                    except BufferError:
+                        # numpy views still point into the map; it closes when they are freed.
+                        pass
+            self._maps.clear()

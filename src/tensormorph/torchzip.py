@@ -1,0 +1,231 @@
+"""Read a torch.save zip archive without torch and without running its pickle's code.
+
+The archive is a ZIP_STORED zip: `<prefix>/data.pkl` describes the object
+tree, `<prefix>/data/<key>` hold raw little-endian storage bytes. Tensors
+come back as `TensorRef`s: byte offsets into the buffer the archive was read
+from, so callers can memory-map them instead of copying.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import struct
+import zipfile
+from dataclasses import dataclass
+from typing import Any
+
+from . import dtypes, safe_pickle
+from .errors import CheckpointError, HeaderError, TruncatedFileError, UnsupportedError
+
+MAX_PICKLE_BYTES = 100_000_000
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    key: str
+    dtype: str
+    numel: int
+    offset: int  # of the storage's first byte in the buffer
+    nbytes: int  # bytes the archive holds for it
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor inside an archive: a strided view of one storage."""
+
+    storage: StorageRef
+    storage_offset: int  # elements
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]  # elements
+
+    @property
+    def dtype(self) -> str:
+        return self.storage.dtype
+
+    @property
+    def offset(self) -> int:
+        """Byte offset of the first element in the buffer."""
+        return self.storage.offset + self.storage_offset * dtypes.itemsize(self.dtype)
+
+    @property
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, step in reversed(list(zip(self.shape, self.stride))):
+            if size != 1 and step != expected:
+                return False
+            expected *= size
+        return True
+
+    @property
+    def byte_span(self) -> tuple[int, int]:
+        """[begin, end) of the bytes this view can touch in the buffer."""
+        itemsize = dtypes.itemsize(self.dtype)
+        if math.prod(self.shape) == 0:
+            return self.offset, self.offset
+        last = sum((n - 1) * s for n, s in zip(self.shape, self.stride))
+        return self.offset, self.offset + (last + 1) * itemsize
+
+
+class _StorageType:
+    """Stand-in for torch.FloatStorage and friends: only carries the dtype."""
+
+    def __init__(self, dtype: str | None):
+        self.dtype = dtype
+
+
+def _tensor_globals(make_tensor: Any) -> dict[tuple[str, str], Any]:
+    def rebuild_tensor_v2(storage: Any, storage_offset: int, size: Any, stride: Any, *_rest: Any) -> TensorRef:
+        return make_tensor(storage, storage_offset, size, stride)
+
+    def rebuild_tensor(storage: Any, storage_offset: int, size: Any, stride: Any) -> TensorRef:
+        return make_tensor(storage, storage_offset, size, stride)
+
+    def rebuild_parameter(data: Any, *_rest: Any) -> Any:
+        return data
+
+    def rebuild_from_type_v2(func: Any, new_type: Any, args: Any, _state: Any) -> Any:
+        if new_type not in (_TENSOR_TYPE, _PARAMETER_TYPE):
+            raise HeaderError("_rebuild_from_type_v2 names a type other than Tensor or Parameter")
+        return func(*args)
+
+    table: dict[tuple[str, str], Any] = dict(safe_pickle.BASE_GLOBALS)
+    table.update({
+        ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor_v2,
+        ("torch._utils", "_rebuild_tensor"): rebuild_tensor,
+        ("torch._utils", "_rebuild_parameter"): rebuild_parameter,
+        ("torch._utils", "_rebuild_parameter_with_state"): rebuild_parameter,
+        ("torch._tensor", "_rebuild_from_type_v2"): rebuild_from_type_v2,
+        ("torch", "Tensor"): _TENSOR_TYPE,
+        ("torch.nn.parameter", "Parameter"): _PARAMETER_TYPE,
+        ("torch", "UntypedStorage"): _StorageType(None),
+        ("torch.storage", "UntypedStorage"): _StorageType(None),
+        ("torch", "device"): str,
+    })
+    for name, vocabulary in dtypes.TORCH_STORAGE_NAMES.items():
+        table[("torch", name)] = _StorageType(vocabulary)
+    return table
+
+
+_TENSOR_TYPE = object()
+_PARAMETER_TYPE = object()
+
+
+class _Window(io.RawIOBase):
+    """A seekable read-only file over a memoryview, so zipfile reads only what it needs."""
+
+    def __init__(self, buffer: memoryview):
+        self._buffer = buffer
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._position, 2: len(self._buffer)}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def readinto(self, target: Any) -> int:
+        view = self._buffer[self._position:self._position + len(target)]
+        target[:len(view)] = view
+        self._position += len(view)
+        return len(view)
+
+
+def is_torch_zip(head: bytes) -> bool:
+    return head[:4] == b"PK\x03\x04"
+
+
+def load(buffer: memoryview, *, file: str, item: str | None = None) -> Any:
+    """The object tree of a torch.save archive held in `buffer`, tensors as TensorRefs.
+
+    `item` names the DCP item the archive belongs to, for error messages.
+    """
+    try:
+        return _load(buffer, file, item)
+    except CheckpointError:
+        raise
+    except RecursionError:
+        raise HeaderError("archive is nested too deeply", file=file, tensor=item) from None
+    except Exception as exc:  # zipfile and struct raise many types on corrupt input
+        raise HeaderError(f"not a readable torch.save archive ({type(exc).__name__}: {exc})",
+                          file=file, tensor=item) from None
+
+
+def _load(buffer: memoryview, file: str, item: str | None) -> Any:
+    if len(buffer) >= 2 and buffer[0] == 0x80 and not is_torch_zip(bytes(buffer[:4])):
+        raise UnsupportedError(
+            "is a legacy (pre-1.6, non-zip) torch.save file, which this reader does not support; "
+            "re-save it with a current torch.save, or convert it with torch.load + safetensors",
+            file=file, tensor=item)
+    if not is_torch_zip(bytes(buffer[:4])):
+        raise HeaderError("is not a torch.save zip archive (missing the PK zip signature)", file=file, tensor=item)
+    archive = zipfile.ZipFile(_Window(buffer))
+    records = {info.filename: info for info in archive.infolist()}
+    pickles = [name for name in records if name.endswith("/data.pkl") or name == "data.pkl"]
+    if len(pickles) != 1:
+        raise HeaderError(f"expected one data.pkl record in the archive, found {len(pickles)}", file=file, tensor=item)
+    prefix = pickles[0][: -len("data.pkl")]
+    order = records.get(prefix + "byteorder")
+    if order is not None and archive.read(order).strip() not in (b"little", b""):
+        raise UnsupportedError("stores big-endian tensors, which are not supported", file=file, tensor=item)
+    info = records[pickles[0]]
+    if info.file_size > MAX_PICKLE_BYTES:
+        raise HeaderError(f"data.pkl is {info.file_size} bytes, over the {MAX_PICKLE_BYTES}-byte limit",
+                          file=file, tensor=item)
+    pickle_bytes = archive.read(info)
+    storages: dict[str, StorageRef] = {}
+
+    def persistent(pid: Any) -> StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise HeaderError(f"unexpected persistent id {pid!r} (expected a storage record)")
+        _, storage_type, key, _location, numel = pid
+        if not isinstance(storage_type, _StorageType) or not isinstance(key, str) or not isinstance(numel, int):
+            raise HeaderError(f"malformed storage record {pid!r}")
+        if key not in storages:
+            record = records.get(f"{prefix}data/{key}")
+            if record is None:
+                raise TruncatedFileError(f"storage {key!r} is missing from the archive", file=file, tensor=item)
+            if record.compress_type != zipfile.ZIP_STORED:
+                raise UnsupportedError(f"storage {key!r} is compressed inside the zip", file=file, tensor=item)
+            dtype = storage_type.dtype or "U8"
+            offset = _data_offset(buffer, record)
+            if numel < 0 or numel * dtypes.itemsize(dtype) > record.file_size or offset + record.file_size > len(buffer):
+                raise TruncatedFileError(
+                    f"storage {key!r} claims {numel} elements of {dtype} but the archive holds {record.file_size} bytes",
+                    file=file, tensor=item)
+            storages[key] = StorageRef(key, dtype, numel, offset, record.file_size)
+        return storages[key]
+
+    def make_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> TensorRef:
+        if not isinstance(storage, StorageRef):
+            raise HeaderError("a tensor is rebuilt from something that is not a storage")
+        shape, steps = tuple(size), tuple(stride)
+        if (not isinstance(storage_offset, int) or storage_offset < 0 or len(shape) != len(steps)
+                or not all(isinstance(v, int) and v >= 0 for v in shape + steps)):
+            raise HeaderError(f"invalid tensor geometry: offset {storage_offset}, size {shape}, stride {steps}")
+        tensor = TensorRef(storage, storage_offset, shape, steps)
+        if math.prod(shape) and (storage_offset + sum((n - 1) * s for n, s in zip(shape, steps)) >= storage.numel):
+            raise TruncatedFileError(
+                f"a tensor of size {shape} and stride {steps} at offset {storage_offset} reaches past the end "
+                f"of storage {storage.key!r} ({storage.numel} elements)", file=file, tensor=item)
+        return tensor
+
+    return safe_pickle.loads(pickle_bytes, _tensor_globals(make_tensor), persistent=persistent, file=file)
+
+
+def _data_offset(buffer: memoryview, record: zipfile.ZipInfo) -> int:
+    """Where a stored record's data starts: past its local header, whose extra field may differ from the central one."""
+    start = record.header_offset
+    local = bytes(buffer[start:start + 30])
+    if len(local) < 30 or local[:4] != b"PK\x03\x04":
+        raise HeaderError(f"zip record {record.filename!r} has a damaged local header")
+    name_length, extra_length = struct.unpack("<HH", local[26:30])
+    return start + 30 + name_length + extra_length

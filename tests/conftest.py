@@ -1,0 +1,137 @@
+"""Pytest plumbing for real checkpoint fixtures.
+
+Fixtures are built once (by the real libraries, see tests/fixtures/builders.py)
+into ``tests/.fixture-cache/<sha1 of builders.py>/<name>/`` and reused by later
+runs.  Each one is built in a temporary sibling folder and renamed into place,
+so a present folder is always complete.
+
+Layout of each cached fixture folder::
+
+    <name>/ckpt                       the checkpoint (dir or file set)
+    <name>/ckpt.expected.safetensors  full logical tensors by flattened name
+    <name>/ckpt.expected.json         non-tensor items by flattened name
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+if str(TESTS_DIR) not in sys.path:
+    # spawned DCP ranks inherit sys.path and import fixtures.builders by name
+    sys.path.insert(0, str(TESTS_DIR))
+
+from fixtures import builders  # noqa: E402
+
+_BUILDERS_SRC = Path(builders.__file__).read_bytes()
+CACHE_ROOT = TESTS_DIR / ".fixture-cache" / hashlib.sha1(_BUILDERS_SRC).hexdigest()
+
+
+def _cached(name: str, build) -> Path:
+    """Return ``CACHE_ROOT/name``, running ``build(tmp_folder)`` first if needed."""
+    final = CACHE_ROOT / name
+    if final.is_dir():
+        return final
+    CACHE_ROOT.mkdir(parents=True, exist_ok=True)
+    tmp = CACHE_ROOT / f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # someone else won the race
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+@pytest.fixture(scope="session")
+def fixture_builders():
+    """The builders module (build_*, load_expected, expected_paths, ...)."""
+    return builders
+
+
+@pytest.fixture(scope="session")
+def fixture_cache_dir() -> Path:
+    return CACHE_ROOT
+
+
+@pytest.fixture(scope="session")
+def dcp_ckpt() -> Path:
+    """DCP FileSystemWriter checkpoint (4 gloo ranks). Ground truth via
+    ``builders.expected_paths(dcp_ckpt)``."""
+    return _cached("dcp", lambda d: builders.build_dcp(d / "ckpt")) / "ckpt"
+
+
+@pytest.fixture(scope="session")
+def dcp_zstd_ckpt() -> Path:
+    """Same as dcp_ckpt, every item zstd-compressed (transform 'stream.zstd/1')."""
+    return _cached("dcp_zstd", lambda d: builders.build_dcp(d / "ckpt", zstd=True)) / "ckpt"
+
+
+@pytest.fixture(scope="session")
+def dcp_safetensors_ckpt() -> Path:
+    """DCP HuggingFaceStorageWriter(save_distributed=True) output folder."""
+    return _cached("dcp_safetensors", lambda d: builders.build_dcp_safetensors(d / "ckpt")) / "ckpt"
+
+
+@pytest.fixture(scope="session")
+def hf_llama_safetensors() -> Path:
+    """Tiny LlamaForCausalLM, save_pretrained -> model-0000i-of-00003.safetensors + index."""
+    return (
+        _cached(
+            "hf_llama_safetensors",
+            lambda d: builders.build_hf_llama(d / "ckpt", safe_serialization=True, max_shard_size="200KB"),
+        )
+        / "ckpt"
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_llama_bin() -> Path:
+    """Same model as .bin shards (pytorch_model-0000i-of-00003.bin) + pytorch_model.bin.index.json."""
+    return (
+        _cached(
+            "hf_llama_bin",
+            lambda d: builders.build_hf_llama(d / "ckpt", safe_serialization=False, max_shard_size="200KB"),
+        )
+        / "ckpt"
+    )
+
+
+_PICKLE_NAMES = {
+    "zip": "state_zip.pt",
+    "legacy": "state_legacy.pt",
+    "malicious": "malicious.pt",
+    "bin": "pytorch_model.bin",
+}
+
+
+def _build_pickles(d: Path) -> None:
+    paths = builders.build_torch_pickles(d / "ckpt")
+    assert {k: p.name for k, p in paths.items()} == _PICKLE_NAMES, paths
+
+
+@pytest.fixture(scope="session")
+def torch_pickles() -> dict[str, Path]:
+    """{"zip","legacy","malicious","bin"} -> torch.save files; ground truth at
+    ``<file>.expected.safetensors`` / ``<file>.expected.json`` (not for malicious)."""
+    root = _cached("torch_pickles", _build_pickles) / "ckpt"
+    return {k: root / v for k, v in _PICKLE_NAMES.items()}
+
+
+@pytest.fixture(scope="session")
+def minilm() -> Path:
+    """Folder of the real all-MiniLM-L6-v2 (model.safetensors, config.json, ...)."""
+    return builders.minilm_dir()
