@@ -34,11 +34,22 @@ _BUILDERS_SRC = Path(builders.__file__).read_bytes()
 CACHE_ROOT = TESTS_DIR / ".fixture-cache" / hashlib.sha1(_BUILDERS_SRC).hexdigest()
 
 
+def _drop_stale_caches() -> None:
+    """Remove cache folders built by other versions of builders.py."""
+    parent = CACHE_ROOT.parent
+    if not parent.is_dir():
+        return
+    for d in parent.iterdir():
+        if d.is_dir() and d != CACHE_ROOT and len(d.name) == 40 and all(c in "0123456789abcdef" for c in d.name):
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def _cached(name: str, build) -> Path:
     """Return ``CACHE_ROOT/name``, running ``build(tmp_folder)`` first if needed."""
     final = CACHE_ROOT / name
     if final.is_dir():
         return final
+    _drop_stale_caches()
     CACHE_ROOT.mkdir(parents=True, exist_ok=True)
     tmp = CACHE_ROOT / f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()

@@ -76,9 +76,9 @@ def inspect(path: str, format_: str | None, chunks: bool, no_tree: bool, as_json
         console.print(f"[bold]{ck.path}[/bold]  format [cyan]{ck.format}[/cyan]  "
                       f"{len(ck)} tensors  {summary['params']:,} params  {human_bytes(ck.nbytes)}  "
                       f"{len(ck.files)} file(s)")
-        shown_metadata = {k: v for k, v in ck.metadata.items() if v not in (None, {}, [])}
-        if shown_metadata:
-            console.print("metadata:", _short(shown_metadata), highlight=False)
+        for key, value in ck.metadata.items():
+            if value not in (None, {}, []):
+                console.print(f"[dim]{key}:[/dim] {_short(value)}", highlight=False)
         table = Table(box=None, header_style="bold")
         for column in ("name", "dtype", "shape", "size", "split"):
             table.add_column(column, justify="right" if column == "size" else "left")
@@ -103,7 +103,7 @@ def inspect(path: str, format_: str | None, chunks: bool, no_tree: bool, as_json
             console.print(_render_tree(module_tree(ck.values())))
 
 
-def _short(value: Any, limit: int = 300) -> str:
+def _short(value: Any, limit: int = 160) -> str:
     text = json.dumps(value, default=repr)
     return text if len(text) <= limit else text[:limit] + " ..."
 
