@@ -146,3 +146,9 @@ def torch_pickles() -> dict[str, Path]:
 def minilm() -> Path:
     """Folder of the real all-MiniLM-L6-v2 (model.safetensors, config.json, ...)."""
     return builders.minilm_dir()
+
+
+@pytest.fixture(scope="session")
+def dcp_per_rank_ckpt() -> Path:
+    """DCP saved with use_collectives=False (per-rank __{rank}.metadata files); tensor "w" is 10x3 over 4 ranks."""
+    return _cached("dcp_per_rank", lambda d: builders.build_dcp_per_rank_metadata(d / "ckpt")) / "ckpt"

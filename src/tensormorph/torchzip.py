@@ -24,10 +24,9 @@ MAX_PICKLE_BYTES = 100_000_000
 @dataclass(frozen=True)
 class StorageRef:
     key: str
-    dtype: str
-    numel: int
+    dtype: str | None  # None for an untyped storage: the tensor names its dtype
+    nbytes: int  # bytes the pickle declares for it (numel × itemsize)
     offset: int  # of the storage's first byte in the buffer
-    nbytes: int  # bytes the archive holds for it
 
 
 @dataclass(frozen=True)
@@ -35,13 +34,10 @@ class TensorRef:
     """A tensor inside an archive: a strided view of one storage."""
 
     storage: StorageRef
-    storage_offset: int  # elements
+    dtype: str
+    storage_offset: int  # elements of dtype
     shape: tuple[int, ...]
-    stride: tuple[int, ...]  # elements
-
-    @property
-    def dtype(self) -> str:
-        return self.storage.dtype
+    stride: tuple[int, ...]  # elements of dtype
 
     @property
     def offset(self) -> int:
@@ -78,6 +74,13 @@ def _tensor_globals(make_tensor: Any) -> dict[tuple[str, str], Any]:
     def rebuild_tensor_v2(storage: Any, storage_offset: int, size: Any, stride: Any, *_rest: Any) -> TensorRef:
         return make_tensor(storage, storage_offset, size, stride)
 
+    def rebuild_tensor_v3(storage: Any, storage_offset: int, size: Any, stride: Any, _requires_grad: Any,
+                          _hooks: Any, dtype: Any, *_rest: Any) -> TensorRef:
+        # newer dtypes (float8, uint16...) are saved on an untyped storage with the dtype given here
+        if not isinstance(dtype, safe_pickle.TorchDType):
+            raise HeaderError(f"_rebuild_tensor_v3 names dtype {dtype!r}, not a torch dtype")
+        return make_tensor(storage, storage_offset, size, stride, dtype.vocabulary)
+
     def rebuild_tensor(storage: Any, storage_offset: int, size: Any, stride: Any) -> TensorRef:
         return make_tensor(storage, storage_offset, size, stride)
 
@@ -92,6 +95,7 @@ def _tensor_globals(make_tensor: Any) -> dict[tuple[str, str], Any]:
     table: dict[tuple[str, str], Any] = dict(safe_pickle.BASE_GLOBALS)
     table.update({
         ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor_v2,
+        ("torch._utils", "_rebuild_tensor_v3"): rebuild_tensor_v3,
         ("torch._utils", "_rebuild_tensor"): rebuild_tensor,
         ("torch._utils", "_rebuild_parameter"): rebuild_parameter,
         ("torch._utils", "_rebuild_parameter_with_state"): rebuild_parameter,
@@ -195,27 +199,30 @@ def _load(buffer: memoryview, file: str, item: str | None) -> Any:
                 raise TruncatedFileError(f"storage {key!r} is missing from the archive", file=file, tensor=item)
             if record.compress_type != zipfile.ZIP_STORED:
                 raise UnsupportedError(f"storage {key!r} is compressed inside the zip", file=file, tensor=item)
-            dtype = storage_type.dtype or "U8"
+            nbytes = numel * (dtypes.itemsize(storage_type.dtype) if storage_type.dtype else 1)
             offset = _data_offset(buffer, record)
-            if numel < 0 or numel * dtypes.itemsize(dtype) > record.file_size or offset + record.file_size > len(buffer):
-                raise TruncatedFileError(
-                    f"storage {key!r} claims {numel} elements of {dtype} but the archive holds {record.file_size} bytes",
-                    file=file, tensor=item)
-            storages[key] = StorageRef(key, dtype, numel, offset, record.file_size)
+            if numel < 0 or nbytes > record.file_size or offset + record.file_size > len(buffer):
+                raise TruncatedFileError(f"storage {key!r} claims {nbytes} bytes but the archive holds "
+                                         f"{min(record.file_size, len(buffer) - offset)}", file=file, tensor=item)
+            storages[key] = StorageRef(key, storage_type.dtype, nbytes, offset)
         return storages[key]
 
-    def make_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> TensorRef:
+    def make_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: str | None = None) -> TensorRef:
         if not isinstance(storage, StorageRef):
             raise HeaderError("a tensor is rebuilt from something that is not a storage")
+        dtype = dtype or storage.dtype
+        if dtype is None:
+            raise HeaderError(f"a tensor on untyped storage {storage.key!r} names no dtype")
         shape, steps = tuple(size), tuple(stride)
         if (not isinstance(storage_offset, int) or storage_offset < 0 or len(shape) != len(steps)
                 or not all(isinstance(v, int) and v >= 0 for v in shape + steps)):
             raise HeaderError(f"invalid tensor geometry: offset {storage_offset}, size {shape}, stride {steps}")
-        tensor = TensorRef(storage, storage_offset, shape, steps)
-        if math.prod(shape) and (storage_offset + sum((n - 1) * s for n, s in zip(shape, steps)) >= storage.numel):
+        tensor = TensorRef(storage, dtype, storage_offset, shape, steps)
+        begin, end = tensor.byte_span
+        if end - storage.offset > storage.nbytes:
             raise TruncatedFileError(
                 f"a tensor of size {shape} and stride {steps} at offset {storage_offset} reaches past the end "
-                f"of storage {storage.key!r} ({storage.numel} elements)", file=file, tensor=item)
+                f"of storage {storage.key!r} ({storage.nbytes} bytes)", file=file, tensor=item)
         return tensor
 
     return safe_pickle.loads(pickle_bytes, _tensor_globals(make_tensor), persistent=persistent, file=file)

@@ -22,7 +22,6 @@ from .. import dtypes, safe_pickle, torchzip
 from ..core import Checkpoint, Chunk, LogicalTensor, ObjectEntry, validate_tiling
 from ..errors import HeaderError, TruncatedFileError, UnsafePickleError, UnsupportedError
 from ..storage import LocalFiles
-from . import safetensors as st
 
 NAME = "dcp"
 PRIORITY = 10
@@ -230,8 +229,6 @@ def open(path: Path) -> Checkpoint:
         if item.offset < 0 or item.length < 0 or item.offset + item.length > sizes[item.file]:
             raise TruncatedFileError(f"item [{item.offset}, {item.offset + item.length}) lies past the end of the "
                                      f"{sizes[item.file]}-byte file", file=str(files.resolve(item.file)), tensor=key[0])
-    safetensors_headers = {f: st.read_header(files, f) for f in data_files
-                           if st.looks_like_safetensors(files.resolve(f))}
 
     tensors: dict[str, LogicalTensor] = {}
     objects: dict[str, ObjectEntry] = {}
@@ -244,7 +241,7 @@ def open(path: Path) -> Checkpoint:
             objects[fqn] = ObjectEntry(fqn, item.length, item.file,
                                        loader=lambda i=item, n=fqn: _decode_object(files, i, n))
         elif kind == "TensorStorageMetadata":
-            tensors[fqn] = _tensor(fqn, entry, storage, files, where, safetensors_headers)
+            tensors[fqn] = _tensor(fqn, entry, storage, files, where)
         else:
             raise HeaderError(f"unknown storage metadata {kind}", file=where, tensor=fqn)
 
@@ -278,8 +275,7 @@ def _item(info: Any, files: LocalFiles, where: str) -> _Item:
     return _Item(relative, offset, length, tuple(transforms))
 
 
-def _tensor(fqn: str, entry: Any, storage: dict, files: LocalFiles, where: str,
-            safetensors_headers: dict[str, st.Header]) -> LogicalTensor:
+def _tensor(fqn: str, entry: Any, storage: dict, files: LocalFiles, where: str) -> LogicalTensor:
     dtype = _dtype_of(getattr(entry, "properties", None), where, fqn)
     shape = _ints(getattr(entry, "size", None), "size", where, fqn)
     if any(d < 0 for d in shape):
@@ -293,23 +289,6 @@ def _tensor(fqn: str, entry: Any, storage: dict, files: LocalFiles, where: str,
             raise HeaderError(f"chunk at offsets {list(offsets)} has no storage entry", file=where, tensor=fqn)
         match = DATA_FILE_RANK.match(item.file)
         ranks = (int(match.group(1)),) if match else ()
-        header = safetensors_headers.get(item.file)
-        if header is not None:
-            chunks.append(_safetensors_chunk(files, header, item, fqn, dtype, offsets, sizes, ranks))
-            continue
         source = DcpItemArray(files, item, fqn, dtype, sizes)
         chunks.append(Chunk(offsets, sizes, item.file, (item.offset, item.offset + item.length), source, ranks))
     return LogicalTensor(fqn, dtype, shape, tuple(validate_tiling(fqn, shape, chunks, file=where)))
-
-
-def _safetensors_chunk(files: LocalFiles, header: st.Header, item: _Item, fqn: str, dtype: str,
-                       offsets: tuple[int, ...], sizes: tuple[int, ...], ranks: tuple[int, ...]) -> Chunk:
-    """DCP saved with serialization_format=SAFETENSORS: the data file is a safetensors file keyed by fqn."""
-    entry = header.entries.get(fqn)
-    path = str(files.resolve(item.file))
-    if entry is None:
-        raise HeaderError("the safetensors data file lacks this tensor", file=path, tensor=fqn)
-    if entry.dtype != dtype or entry.shape != sizes:
-        raise HeaderError(f"holds {entry.dtype}{list(entry.shape)}, .metadata declares {dtype}{list(sizes)}",
-                          file=path, tensor=fqn)
-    return st.whole_chunk(files, entry, item.file, offsets=offsets, ranks=ranks)
