@@ -13,8 +13,11 @@ import json
 import math
 import os
 import pickle
+import pickletools
 import shutil
 import struct
+import subprocess
+import sys
 import tempfile
 import warnings
 import zipfile
@@ -26,7 +29,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
-from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
 import tensormorph as tm
@@ -71,6 +74,7 @@ def exercise(path: Path, format: str | None = None, *, detect: bool = True) -> A
         detected = outcome(lambda: tm.detect(path))
         assert detected is None or isinstance(detected, (str, CheckpointError))
     opened = outcome(lambda: tm.open(path, format))
+    event(f"open {format or 'detected'}: {type(opened).__name__}")
     if isinstance(opened, CheckpointError):
         return opened
     with opened as ck:
@@ -114,6 +118,22 @@ def mutate(seed: bytes, change: tuple[list, int | None]) -> bytes:
         if position < len(data):
             data[position] = value
     return bytes(data if cut is None else data[:cut])
+
+
+def huge_memo_index(data: bytes) -> bool:
+    """A PUT/LONG_BINPUT naming a memo slot far beyond the pickle's size (see test_pickle_memo_index_...).
+
+    CPython's C unpickler grows its memo array to twice such an index and zeroes it, so a 10-byte pickle
+    can demand gigabytes. Fuzz inputs that do this are left to the dedicated test, so the fuzz cannot
+    exhaust the test machine's memory.
+    """
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") and int(arg) > 1 << 16:
+                return True
+    except Exception:  # genops stops where the stream breaks; so does the unpickler
+        pass
+    return False
 
 
 def safetensors_bytes(header: Any, data: bytes = b"", *, raw_header: bytes | None = None) -> bytes:
@@ -193,6 +213,7 @@ def test_safetensors_random_headers(header: Any, data_len: int, seed: int) -> No
         path = Path(folder) / "model.safetensors"
         path.write_bytes(blob)
         result = outcome(lambda: tm.open(path, "safetensors"))
+        event(type(result).__name__)
         if isinstance(result, CheckpointError):
             assert str(path) in str(result)
             return
@@ -590,6 +611,7 @@ def torch_seed_parts(torch_seed: bytes) -> tuple[bytes, dict[str, bytes]]:
 def test_torch_zip_mutated_pickle_in_a_valid_zip(torch_seed_parts: tuple[bytes, dict], data: st.DataObject) -> None:
     pkl, storages = torch_seed_parts
     mutated = mutate(pkl, data.draw(edits(len(pkl))))
+    assume(not huge_memo_index(mutated))
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "state.pt"
         path.write_bytes(torch_zip(mutated, storages))
@@ -798,9 +820,29 @@ def only_plain_values(value: Any, seen: set[int] | None = None) -> bool:
 @example(payload=b"\x80\x05\x96\x03\x00\x00\x00\x00\x00\x00\x00abc.")
 @example(payload=b"\x80\x04]\x94h\x00a.")
 def test_safe_pickle_random_bytes(payload: bytes) -> None:
+    assume(not huge_memo_index(payload))
     value = outcome(lambda: safe_pickle.loads(payload, file="x.pkl"))
     if not isinstance(value, CheckpointError):
         assert only_plain_values(value)
+
+
+@pytest.mark.xfail(strict=True, reason="src bug: safe_pickle.py:123 loads with the C pickle.Unpickler, whose memo is "
+                   "an array: LONG_BINPUT/PUT with a huge index makes it allocate and zero 16 bytes per index "
+                   "(a 12-byte .pt/.metadata pickle can demand up to 64 GiB)")
+def test_pickle_memo_index_cannot_demand_gigabytes() -> None:
+    probe = (
+        "import resource, sys\n"
+        "from tensormorph import safe_pickle, errors\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "try:\n"
+        "    safe_pickle.loads(b'\\x80\\x02K\\x01r\\x00\\x00\\x00\\x02.')\n"
+        "except errors.CheckpointError:\n"
+        "    pass\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n"
+    )
+    grown_kib = int(subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True,
+                                   timeout=60).stdout)
+    assert grown_kib < 64 * 1024, f"unpickling 12 bytes grew the peak RSS by {grown_kib // 1024} MiB"
 
 
 # ---------------------------------------------------------------------------
@@ -862,6 +904,7 @@ def dcp_scratch(dcp_seed: Path) -> Path:
 def test_dcp_metadata_mutated_bytes(dcp_seed: Path, dcp_scratch: Path, data: st.DataObject) -> None:
     seed = (dcp_seed / ".metadata").read_bytes()
     blob = mutate(seed, data.draw(edits(len(seed))))
+    assume(not huge_memo_index(blob))
     replace_file(dcp_scratch / ".metadata", blob)
     exercise(dcp_scratch, "dcp")
     exercise(dcp_scratch)

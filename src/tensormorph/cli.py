@@ -18,9 +18,12 @@ from rich.tree import Tree
 from . import open as open_checkpoint
 from .core import human_bytes, parse_index
 from .errors import CheckpointError
+from .ops.convert import convert
+from .ops.diff import diff
 from .ops.stats import checkpoint_stats
 from .ops.summary import describe, split_description
 from .ops.tree import ModuleNode, module_tree
+from .ops.verify import verify
 
 # Piped output is not cut to 80 columns: long tensor names must survive grep and files.
 console = Console(width=None if sys.stdout.isatty() else 240)
@@ -163,9 +166,7 @@ def stats(path: str, names: tuple[str, ...], as_json: bool) -> None:
     with open_checkpoint(path) as ck:
         tensors = [ck[n] for n in names] if names else list(ck.values())
         total = sum(t.nbytes for t in tensors)
-        with Progress(TextColumn("stats"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                      TimeRemainingColumn(), console=errors, transient=True,
-                      disable=as_json or not errors.is_terminal) as progress:
+        with _byte_progress("stats", total, enabled=not as_json) as progress:
             task = progress.add_task("stats", total=total)
             results = checkpoint_stats(tensors, progress=lambda n: progress.advance(task, n))
         if as_json:
@@ -182,6 +183,131 @@ def stats(path: str, names: tuple[str, ...], as_json: bool) -> None:
 
 def _num(value: float | None) -> str:
     return "—" if value is None else f"{value:.6g}"
+
+
+def _byte_progress(label: str, total: int, *, enabled: bool) -> Progress:
+    """A transfer-style bar on stderr, shown only on a terminal."""
+    return Progress(TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                    console=errors, transient=True, disable=not enabled or not errors.is_terminal)
+
+
+@main.command("diff")
+@click.argument("a", type=click.Path(exists=True))
+@click.argument("b", type=click.Path(exists=True))
+@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance.")
+@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance (times |b|).")
+@click.option("--rename", "renames", multiple=True,
+              help="Align names on both sides: 'PREFIX=NEW' (e.g. 'model.=' strips model.) or 're:PATTERN=REPL'.")
+@click.option("--all", "show_all", is_flag=True, help="List equal tensors too.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def diff_command(a: str, b: str, atol: float, rtol: float, renames: tuple[str, ...], show_all: bool,
+                 as_json: bool) -> None:
+    """Compare the logical tensors of two checkpoints (exit 0 same, 1 different, 2 error)."""
+    try:
+        with open_checkpoint(a) as ck_a, open_checkpoint(b) as ck_b:
+            with _byte_progress("diff", ck_b.nbytes, enabled=not as_json) as progress:
+                task = progress.add_task("diff", total=ck_b.nbytes)
+                report = diff(ck_a, ck_b, atol=atol, rtol=rtol, rename=list(renames),
+                              progress=lambda n: progress.advance(task, n))
+    except CheckpointError as exc:
+        errors.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    if as_json:
+        _print_json(report.to_dict())
+        sys.exit(0 if report.identical else 1)
+    rows = report.tensors if show_all else report.changed()
+    if rows:
+        table = Table(box=None, header_style="bold")
+        for column in ("name", "status", "dtype", "shape", "max abs", "max rel", "rel l2", "cosine", "outside tol",
+                       "worst at"):
+            table.add_column(column, justify="left" if column in ("name", "status", "dtype", "shape") else "right")
+        for t in rows:
+            dtype = t.dtype_a if t.dtype_a == t.dtype_b else f"{t.dtype_a or '—'}→{t.dtype_b or '—'}"
+            shape = _shape(t.shape_a) if t.shape_a == t.shape_b else f"{_shape(t.shape_a)}→{_shape(t.shape_b)}"
+            table.add_row(t.name, _STATUS_STYLE.get(t.status, t.status), dtype, shape, _num(t.max_abs),
+                          _num(t.max_rel), _num(t.rel_l2), _num(t.cosine),
+                          f"{t.mismatches:,} ({t.mismatch_fraction:.2%})" if t.mismatches else "",
+                          str(list(t.worst_index)) if t.worst_index is not None else "")
+        console.print(table)
+    for o in report.objects:
+        if o.status != "equal":
+            console.print(f"object [bold]{o.name}[/bold]: {o.status} {o.detail}", highlight=False)
+    if report.renames:
+        console.print(f"[dim]rename rules: {', '.join(report.renames)}[/dim]")
+    counts = ", ".join(f"{n} {status}" for status, n in report.counts.items())
+    verdict = "[green]same[/green]" if report.identical else "[red]different[/red]"
+    console.print(f"{verdict}: {len(report.tensors)} tensors compared ({counts}); atol={atol} rtol={rtol}")
+    sys.exit(0 if report.identical else 1)
+
+
+_STATUS_STYLE = {"equal": "[green]equal[/green]", "close": "[green]close[/green]", "different": "[red]different[/red]",
+                 "shape_mismatch": "[red]shape_mismatch[/red]", "dtype_mismatch": "[yellow]dtype_mismatch[/yellow]",
+                 "only_a": "[yellow]only_a[/yellow]", "only_b": "[yellow]only_b[/yellow]"}
+
+
+def _shape(shape: tuple[int, ...] | None) -> str:
+    return "—" if shape is None else "×".join(map(str, shape)) or "scalar"
+
+
+@main.command("verify")
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--full", is_flag=True, help="Also read every byte and report NaN/Inf.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def verify_command(path: str, full: bool, as_json: bool) -> None:
+    """Check layout, files, byte ranges and checksums (exit 0 fine, 1 problems, 2 could not run)."""
+    try:
+        with _byte_progress("verify", 0, enabled=full and not as_json) as progress:
+            task = progress.add_task("verify", total=None)
+            report = verify(path, full=full, progress=lambda n: progress.advance(task, n))
+    except CheckpointError as exc:
+        errors.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    if as_json:
+        _print_json(report.to_dict())
+    else:
+        for problem in report.problems:
+            console.print(f"[red]{problem.kind}[/red] {problem.message}", highlight=False, soft_wrap=True)
+        detail = f"{report.tensors} tensors, {report.files} files, {report.checksums_checked} checksums"
+        if full:
+            detail += f", {human_bytes(report.bytes_read)} read"
+        verdict = "[green]ok[/green]" if report.ok else f"[red]{len(report.problems)} problem(s)[/red]"
+        console.print(f"{verdict}: {report.path} ({report.format or 'unreadable'}; {detail})")
+    sys.exit(0 if report.ok else 1)
+
+
+@main.command("convert")
+@click.argument("source", type=click.Path(exists=True))
+@click.argument("destination", type=click.Path())
+@click.option("--to", "target", type=click.Choice(["safetensors"]), default="safetensors", show_default=True)
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest shard file (HF units: GB = 10^9).")
+@click.option("--dtype", help="Cast floating-point tensors: bf16, fp16, fp32.")
+@click.option("--no-check", is_flag=True, help="Skip diffing the output against the source.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@_fails_cleanly
+def convert_command(source: str, destination: str, target: str, max_shard_size: str, dtype: str | None,
+                    no_check: bool, as_json: bool) -> None:
+    """Write any checkpoint as a Hugging Face safetensors folder, streaming, then verify it."""
+    with open_checkpoint(source) as ck:
+        with _byte_progress("convert", ck.nbytes, enabled=not as_json) as progress:
+            task = progress.add_task("convert", total=ck.nbytes)
+            result = convert(ck, destination, to=target, max_shard_size=max_shard_size, dtype=dtype,
+                             check=not no_check, progress=lambda n: progress.advance(task, n))
+    check = result.check
+    if as_json:
+        _print_json({"destination": str(result.destination), "files": result.files, "tensors": result.tensors,
+                     "bytes_written": result.bytes_written, "skipped_objects": result.skipped_objects,
+                     "check": check.to_dict() if check else None})
+    else:
+        console.print(f"wrote {result.tensors} tensors, {human_bytes(result.bytes_written)} in {len(result.files)} "
+                      f"file(s) to {result.destination}")
+        if result.skipped_objects:
+            console.print(f"[yellow]not written[/yellow] (safetensors holds tensors only): "
+                          f"{', '.join(result.skipped_objects)}", highlight=False)
+        if check is not None:
+            verdict = "[green]matches the source[/green]" if check.identical else "[red]differs from the source[/red]"
+            console.print(f"check: {verdict} ({', '.join(f'{n} {s}' for s, n in check.counts.items())})")
+    if check is not None and not check.identical:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

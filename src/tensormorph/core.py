@@ -10,6 +10,7 @@ only the pages it needs.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -355,6 +356,20 @@ class _IndexPlan:
             out = np.ascontiguousarray(out[flips])
         drops = tuple(0 if d.drop else slice(None) for d in self.dims)
         return out[drops] if any(d.drop for d in self.dims) else out
+
+
+def split_box(box: tuple[slice, ...], limit: int) -> Iterator[tuple[slice, ...]]:
+    """Cut a box into pieces of at most `limit` elements: rows of the trailing dimensions that fit."""
+    sizes = [s.stop - s.start for s in box]
+    if math.prod(sizes) <= limit:
+        yield box
+        return
+    d = next(d for d in range(len(sizes)) if math.prod(sizes[d + 1:]) <= limit)
+    step = max(1, limit // math.prod(sizes[d + 1:]))
+    for lead in itertools.product(*(range(s.start, s.stop) for s in box[:d])):
+        for start in range(box[d].start, box[d].stop, step):
+            yield (tuple(slice(i, i + 1) for i in lead) + (slice(start, min(start + step, box[d].stop)),)
+                   + box[d + 1:])
 
 
 def human_bytes(nbytes: float) -> str:

@@ -96,3 +96,8 @@ def vocabulary_name(dtype: np.dtype) -> str:
         if candidate == dtype:
             return name
     raise KeyError(f"no checkpoint dtype for numpy dtype {dtype}")
+
+
+def is_floating(name: str) -> bool:
+    """True for real floating-point dtypes (ml_dtypes' bf16/fp8 report numpy kind 'V', so ask by name)."""
+    return name.startswith("F") or name == "BF16"

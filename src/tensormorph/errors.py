@@ -37,6 +37,10 @@ class MissingFileError(CheckpointError):
     """A file named by the checkpoint is absent."""
 
 
+class ChecksumError(CheckpointError):
+    """Bytes do not match the checksum the checkpoint recorded for them."""
+
+
 class UnsafePathError(CheckpointError):
     """A checkpoint names a file outside its own folder."""
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import dtypes, safe_pickle
-from .errors import CheckpointError, HeaderError, TruncatedFileError, UnsupportedError
+from .errors import CheckpointError, ChecksumError, HeaderError, TruncatedFileError, UnsupportedError
 
 MAX_PICKLE_BYTES = 100_000_000
 
@@ -226,6 +226,16 @@ def _load(buffer: memoryview, file: str, item: str | None) -> Any:
         return tensor
 
     return safe_pickle.loads(pickle_bytes, _tensor_globals(make_tensor), persistent=persistent, file=file)
+
+
+def check_crc(buffer: memoryview, *, file: str, item: str | None = None) -> None:
+    """Raise ChecksumError when a record of the archive does not match the CRC-32 the zip recorded."""
+    try:
+        bad = zipfile.ZipFile(_Window(buffer)).testzip()
+    except Exception as exc:  # a damaged directory raises many types
+        raise HeaderError(f"not a readable zip archive ({type(exc).__name__}: {exc})", file=file, tensor=item) from None
+    if bad is not None:
+        raise ChecksumError(f"zip record {bad!r} does not match its recorded CRC-32", file=file, tensor=item)
 
 
 def _data_offset(buffer: memoryview, record: zipfile.ZipInfo) -> int:

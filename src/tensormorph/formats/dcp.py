@@ -10,6 +10,7 @@ lazily on first read so opening stays a metadata-only operation.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path, PurePosixPath
@@ -20,7 +21,7 @@ import zstandard
 
 from .. import dtypes, safe_pickle, torchzip
 from ..core import Checkpoint, Chunk, LogicalTensor, ObjectEntry, validate_tiling
-from ..errors import HeaderError, TruncatedFileError, UnsafePickleError, UnsupportedError
+from ..errors import CheckpointError, HeaderError, TruncatedFileError, UnsafePickleError, UnsupportedError
 from ..storage import LocalFiles
 
 NAME = "dcp"
@@ -200,15 +201,25 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
-def open(path: Path) -> Checkpoint:
+@dataclass
+class _Parsed:
+    root: Path
+    files: LocalFiles
+    metadata_paths: list[Path]
+    records: list[Any]
+    state: dict[str, Any]
+    storage: dict[tuple[str, tuple[int, ...] | None], _Item]
+
+
+def _parse(path: Path, files: LocalFiles | None = None) -> _Parsed:
+    """Read and merge the metadata file(s): the entries and where each item is stored."""
     metadata_paths = _metadata_files(path)
     if not metadata_paths:
         raise HeaderError("no .metadata file: not a finished DCP checkpoint", file=str(path))
     root = metadata_paths[0].parent
-    files = LocalFiles(root)
+    files = files or LocalFiles(root)
     records = [_read_metadata(files, p.name) for p in metadata_paths]
     where = str(metadata_paths[0])
-
     state: dict[str, Any] = {}
     storage: dict[tuple[str, tuple[int, ...] | None], _Item] = {}
     for record in records:
@@ -222,6 +233,26 @@ def open(path: Path) -> Checkpoint:
                 state[fqn] = entry
         for index, info in (_attr(record, "storage_data", where, dict) or {}).items():
             storage[_storage_key(index, where)] = _item(info, files, where)
+    return _Parsed(root, files, metadata_paths, records, state, storage)
+
+
+def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointError | None]]:
+    """Check the CRC-32 that every item's zip records for each of its records."""
+    parsed = _parse(checkpoint.path, checkpoint.storage)
+    for (fqn, _offsets), item in parsed.storage.items():
+        try:
+            buffer = _item_bytes(parsed.files, item, fqn, limit=MAX_OBJECT_BYTES)
+            torchzip.check_crc(buffer, file=str(parsed.files.resolve(item.file)), item=fqn)
+        except CheckpointError as exc:
+            yield fqn, exc
+        else:
+            yield fqn, None
+
+
+def open(path: Path) -> Checkpoint:
+    parsed = _parse(path)
+    root, files, records, state, storage = parsed.root, parsed.files, parsed.records, parsed.state, parsed.storage
+    metadata_paths, where = parsed.metadata_paths, str(parsed.metadata_paths[0])
 
     data_files = sorted({item.file for item in storage.values()})
     sizes = {f: files.size(f) for f in data_files}

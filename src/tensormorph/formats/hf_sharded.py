@@ -133,6 +133,9 @@ def open(path: Path) -> Checkpoint:
                       files=tuple(shard_names), storage=files)
 
 
+checksum_problems = torch_pickle.checksum_problems  # .bin shards are torch.save zips; safetensors records none
+
+
 def _read_shard(files: LocalFiles, shard: str) -> tuple[dict[str, LogicalTensor], dict[str, ObjectEntry], dict]:
     if st.looks_like_safetensors(files.resolve(shard)):
         header = st.read_header(files, shard)

@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import dtypes, torchzip
 from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray, ObjectEntry
-from ..errors import HeaderError
+from ..errors import CheckpointError, HeaderError
 from ..storage import LocalFiles
 
 NAME = "torch"
@@ -103,6 +103,20 @@ def read_file(files: LocalFiles, file: str) -> tuple[dict[str, LogicalTensor], d
         else:
             objects[name] = ObjectEntry(name, None, file, loader=lambda v=leaf: v)
     return tensors, objects
+
+
+def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointError | None]]:
+    """Check the CRC-32 of every record of every torch.save file of the checkpoint."""
+    assert checkpoint.storage is not None
+    for file in checkpoint.files:
+        if not torchzip.is_torch_zip(bytes(checkpoint.storage.buffer(file)[:4])):
+            continue
+        try:
+            torchzip.check_crc(checkpoint.storage.buffer(file), file=str(checkpoint.storage.resolve(file)))
+        except CheckpointError as exc:
+            yield file, exc
+        else:
+            yield file, None
 
 
 def open(path: Path) -> Checkpoint:

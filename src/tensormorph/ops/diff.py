@@ -1,0 +1,360 @@
+"""Compare two checkpoints tensor by tensor, as logical tensors, in bounded memory.
+
+Both sides are read in boxes aligned to the chunk boundaries of both (so each
+read touches one chunk per side), cut into blocks no larger than a budget.
+Equal-dtype blocks are compared bytewise first; only when some block differs
+is the tensor compared numerically, in float64, to give the error figures.
+A change of sharding alone never shows up: only logical values are compared.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import dtypes
+from ..core import Checkpoint, LogicalTensor, split_box
+from ..errors import CheckpointError
+
+DEFAULT_BLOCK_BYTES = 64 * 1024**2
+
+STATUS_ORDER = ("different", "shape_mismatch", "dtype_mismatch", "only_a", "only_b", "close", "equal")
+"""Worst first: the order of the report table."""
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    name: str  # the aligned name (after rename rules)
+    status: str  # one of STATUS_ORDER
+    name_a: str | None = None
+    name_b: str | None = None
+    dtype_a: str | None = None
+    dtype_b: str | None = None
+    shape_a: tuple[int, ...] | None = None
+    shape_b: tuple[int, ...] | None = None
+    max_abs: float | None = None
+    max_rel: float | None = None
+    rel_l2: float | None = None  # ||a - b|| / ||b||
+    cosine: float | None = None
+    mismatches: int = 0  # elements outside atol + rtol * |b| (NaN against a number counts)
+    mismatch_fraction: float = 0.0
+    nan_mismatches: int = 0  # positions where exactly one side is NaN
+    worst_index: tuple[int, ...] | None = None
+    worst_a: float | None = None
+    worst_b: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ObjectDiff:
+    name: str
+    status: str  # equal, different, only_a, only_b, undecodable
+    detail: str = ""
+
+
+@dataclass
+class DiffReport:
+    a: str
+    b: str
+    atol: float
+    rtol: float
+    renames: list[str]
+    tensors: list[TensorDiff] = field(default_factory=list)
+    objects: list[ObjectDiff] = field(default_factory=list)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        counts = {status: 0 for status in STATUS_ORDER}
+        for t in self.tensors:
+            counts[t.status] += 1
+        return {k: v for k, v in counts.items() if v}
+
+    @property
+    def identical(self) -> bool:
+        """Every tensor and object equal or within tolerance, none missing on either side."""
+        return all(t.status in ("equal", "close") for t in self.tensors) and \
+            all(o.status == "equal" for o in self.objects)
+
+    def changed(self) -> list[TensorDiff]:
+        return [t for t in self.tensors if t.status != "equal"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b, "atol": self.atol, "rtol": self.rtol, "renames": self.renames,
+                "identical": self.identical, "counts": self.counts,
+                "tensors": [t.to_dict() for t in self.tensors],
+                "objects": [asdict(o) for o in self.objects]}
+
+
+RenameRule = Callable[[str], str]
+
+
+def parse_rename(rule: str) -> RenameRule:
+    """A name rule: 'OLD=NEW' replaces a prefix (NEW may be empty), 're:PATTERN=REPLACEMENT' a regex."""
+    if rule.startswith("re:"):
+        pattern, sep, replacement = rule[3:].partition("=")
+        if not sep:
+            raise CheckpointError(f"rename rule {rule!r} needs '=': 're:PATTERN=REPLACEMENT'")
+        try:
+            compiled = re.compile(pattern)
+        except re.error as exc:
+            raise CheckpointError(f"rename rule {rule!r}: bad regular expression: {exc}") from None
+        return lambda name: compiled.sub(replacement, name)
+    old, sep, new = rule.partition("=")
+    if not sep or not old:
+        raise CheckpointError(f"rename rule {rule!r} should be 'PREFIX=REPLACEMENT' or 're:PATTERN=REPLACEMENT'")
+    return lambda name: new + name[len(old):] if name.startswith(old) else name
+
+
+def _aligned(names: Sequence[str], rules: Sequence[RenameRule], side: str) -> dict[str, str]:
+    result: dict[str, str] = {}
+    for name in names:
+        aligned = name
+        for rule in rules:
+            aligned = rule(aligned)
+        if aligned in result:
+            raise CheckpointError(f"rename rules map both {result[aligned]!r} and {name!r} of checkpoint {side} "
+                                  f"to {aligned!r}")
+        result[aligned] = name
+    return result
+
+
+def diff(a: str | Path | Checkpoint, b: str | Path | Checkpoint, *, atol: float = 0.0, rtol: float = 0.0,
+         names: Sequence[str] | None = None, rename: Sequence[str] | None = None, cast: str | None = None,
+         objects: bool = True, block_bytes: int = DEFAULT_BLOCK_BYTES, threads: int = 2,
+         progress: Callable[[int], None] | None = None) -> DiffReport:
+    """Compare the logical tensors (and non-tensor entries) of two checkpoints.
+
+    `names` limits the comparison to these aligned names; `rename` holds rules applied to the
+    names of both sides ('model.=' strips a prefix, 're:PATTERN=REPL' rewrites); `cast` converts
+    side a's floating-point values to that dtype before comparing (to check a conversion exactly);
+    `objects=False` compares tensors only.
+    `progress` receives the number of bytes of side b compared so far, in increments.
+    """
+    from .. import open as open_checkpoint
+
+    ck_a = a if isinstance(a, Checkpoint) else open_checkpoint(a)
+    ck_b = b if isinstance(b, Checkpoint) else open_checkpoint(b)
+    rules = [parse_rename(r) for r in rename or ()]
+    map_a, map_b = _aligned(list(ck_a), rules, "a"), _aligned(list(ck_b), rules, "b")
+    wanted = list(dict.fromkeys([*map_a, *map_b])) if names is None else list(names)
+    report = DiffReport(str(ck_a.path), str(ck_b.path), atol, rtol, list(rename or ()))
+
+    def compare(name: str) -> TensorDiff:
+        ta = ck_a[map_a[name]] if name in map_a else None
+        tb = ck_b[map_b[name]] if name in map_b else None
+        return compare_tensors(name, ta, tb, atol=atol, rtol=rtol, cast=cast, block_bytes=block_bytes,
+                               progress=progress)
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        report.tensors = list(pool.map(compare, wanted))
+    report.tensors.sort(key=_severity)
+    report.objects = _compare_objects(ck_a, ck_b, rules) if objects and names is None else []
+    return report
+
+
+def _severity(t: TensorDiff) -> tuple:
+    return STATUS_ORDER.index(t.status), -(t.rel_l2 or 0.0), -(t.max_abs or 0.0), t.name
+
+
+def compare_tensors(name: str, a: LogicalTensor | None, b: LogicalTensor | None, *, atol: float = 0.0,
+                    rtol: float = 0.0, cast: str | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
+                    progress: Callable[[int], None] | None = None) -> TensorDiff:
+    """Compare two logical tensors block by block (either may be missing)."""
+    if a is None or b is None:
+        present = a or b
+        assert present is not None
+        return TensorDiff(name, "only_a" if b is None else "only_b", name_a=a and a.name, name_b=b and b.name,
+                          dtype_a=a and a.dtype, dtype_b=b and b.dtype, shape_a=a and a.shape,
+                          shape_b=b and b.shape)
+    base = dict(name_a=a.name, name_b=b.name, dtype_a=a.dtype, dtype_b=b.dtype, shape_a=a.shape, shape_b=b.shape)
+    if a.shape != b.shape:
+        return TensorDiff(name, "shape_mismatch", **base)
+    cast = cast if cast and dtypes.is_floating(a.dtype) else None  # a dtype conversion leaves integers alone
+    dtype_a = cast or a.dtype
+    cast_dtype = dtypes.numpy_dtype(cast) if cast else None
+    same_dtype = dtype_a == b.dtype
+    boxes = list(aligned_blocks(a, b, block_bytes))
+    differing: list[int] = []
+    if same_dtype:
+        for i, box in enumerate(boxes):
+            block_a, block_b = _read(a, box, cast_dtype), b.read(box)
+            if not _same_bytes(block_a, block_b):
+                differing.append(i)
+            if progress is not None:
+                progress(block_b.nbytes)
+        if not differing:
+            # bitwise equal: the figures are exact without a numeric pass (cosine of identical vectors is 1)
+            return TensorDiff(name, "equal", **base, max_abs=0.0, max_rel=0.0, rel_l2=0.0,
+                              cosine=1.0 if a.numel else None)
+    accumulator = _NumericAccumulator(a.shape, atol, rtol)
+    for box in boxes:
+        block_a, block_b = _read(a, box, cast_dtype), b.read(box)
+        accumulator.add(box, block_a, block_b)
+        if progress is not None and not same_dtype:
+            progress(block_b.nbytes)
+    figures = accumulator.result()
+    if not same_dtype:
+        status = "dtype_mismatch"
+    elif figures["mismatches"] == 0:
+        status = "close"
+    else:
+        status = "different"
+    return TensorDiff(name, status, **base, **figures)
+
+
+def _read(tensor: LogicalTensor, box: tuple[slice, ...], cast: np.dtype | None) -> np.ndarray:
+    values = tensor.read(box)
+    return values.astype(cast) if cast is not None and values.dtype != cast else values
+
+
+def _same_bytes(x: np.ndarray, y: np.ndarray) -> bool:
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    return bool(np.array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8)))
+
+
+def aligned_blocks(a: LogicalTensor, b: LogicalTensor, block_bytes: int) -> Iterator[tuple[slice, ...]]:
+    """Boxes covering the tensor once, each inside one chunk of a and one chunk of b, each under the budget."""
+    if not a.shape:
+        yield ()
+        return
+    itemsize = max(a.numpy_dtype.itemsize, b.numpy_dtype.itemsize, 8)  # blocks are upcast to float64
+    limit = max(1, block_bytes // itemsize)
+    cuts = [sorted({0, n} | _chunk_edges(a, d) | _chunk_edges(b, d)) for d, n in enumerate(a.shape)]
+    for cell in _cells(cuts):
+        yield from split_box(cell, limit)
+
+
+def _chunk_edges(tensor: LogicalTensor, dim: int) -> set[int]:
+    edges: set[int] = set()
+    for c in tensor.chunks:
+        edges.add(c.offsets[dim])
+        edges.add(c.offsets[dim] + c.shape[dim])
+    return edges
+
+
+def _cells(cuts: list[list[int]]) -> Iterator[tuple[slice, ...]]:
+    """The grid of boxes between consecutive cut points of every dimension."""
+    intervals = [[slice(lo, hi) for lo, hi in zip(c, c[1:]) if hi > lo] for c in cuts]
+    return itertools.product(*intervals)
+
+
+class _NumericAccumulator:
+    """Error figures over blocks, in float64."""
+
+    def __init__(self, shape: tuple[int, ...], atol: float, rtol: float):
+        self.shape, self.atol, self.rtol = shape, atol, rtol
+        self.numel = math.prod(shape)
+        self.max_abs = 0.0
+        self.max_rel = 0.0
+        self.diff_sq = self.a_sq = self.b_sq = self.dot = 0.0
+        self.mismatches = self.nan_mismatches = 0
+        self.worst: tuple[float, tuple[int, ...], float, float] | None = None
+
+    def add(self, box: tuple[slice, ...], block_a: np.ndarray, block_b: np.ndarray) -> None:
+        x = _as_float64(block_a)
+        y = _as_float64(block_b)
+        nan_x, nan_y = np.isnan(x), np.isnan(y)
+        one_nan = nan_x != nan_y
+        both_nan = nan_x & nan_y
+        same_inf = np.isinf(x) & (x == y)
+        delta = np.abs(x - y)
+        delta[both_nan | same_inf] = 0.0
+        delta[one_nan] = np.inf
+        magnitude = np.abs(y)
+        outside = delta > (self.atol + self.rtol * magnitude)
+        self.mismatches += int(outside.sum())
+        self.nan_mismatches += int(one_nan.sum())
+        finite = np.isfinite(x) & np.isfinite(y)
+        if finite.any():
+            fx, fy, fd = x[finite], y[finite], delta[finite]
+            self.diff_sq += float(np.dot(fd, fd))
+            self.a_sq += float(np.dot(fx, fx))
+            self.b_sq += float(np.dot(fy, fy))
+            self.dot += float(np.dot(fx, fy))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                relative = np.where(fd == 0, 0.0, fd / np.abs(fy))
+            self.max_rel = max(self.max_rel, float(relative.max()))
+        if delta.size:
+            flat = int(np.argmax(delta))
+            value = float(delta.reshape(-1)[flat])
+            if self.worst is None or value > self.worst[0]:
+                local = np.unravel_index(flat, delta.shape) if delta.shape else ()
+                index = tuple(int(s.start + i) for s, i in zip(box, local))
+                self.worst = (value, index, float(x.reshape(-1)[flat]), float(y.reshape(-1)[flat]))
+            self.max_abs = max(self.max_abs, value)
+
+    def result(self) -> dict[str, Any]:
+        norm_b = math.sqrt(self.b_sq)
+        norm_a = math.sqrt(self.a_sq)
+        worst = self.worst
+        return {
+            "max_abs": self.max_abs,
+            "max_rel": self.max_rel,
+            "rel_l2": math.sqrt(self.diff_sq) / norm_b if norm_b else (0.0 if self.diff_sq == 0 else math.inf),
+            "cosine": self.dot / (norm_a * norm_b) if norm_a and norm_b else None,
+            "mismatches": self.mismatches,
+            "mismatch_fraction": self.mismatches / self.numel if self.numel else 0.0,
+            "nan_mismatches": self.nan_mismatches,
+            "worst_index": worst[1] if worst and worst[0] > 0 else None,
+            "worst_a": worst[2] if worst and worst[0] > 0 else None,
+            "worst_b": worst[3] if worst and worst[0] > 0 else None,
+        }
+
+
+def _as_float64(values: np.ndarray) -> np.ndarray:
+    if values.dtype == np.bool_:
+        return values.astype(np.float64)
+    if np.issubdtype(values.dtype, np.complexfloating):
+        raise CheckpointError("complex tensors are not compared yet")
+    return values.astype(np.float64)
+
+
+def _compare_objects(a: Checkpoint, b: Checkpoint, rules: Sequence[RenameRule]) -> list[ObjectDiff]:
+    map_a, map_b = _aligned(list(a.objects), rules, "a"), _aligned(list(b.objects), rules, "b")
+    results = []
+    for name in dict.fromkeys([*map_a, *map_b]):
+        if name not in map_b:
+            results.append(ObjectDiff(name, "only_a"))
+        elif name not in map_a:
+            results.append(ObjectDiff(name, "only_b"))
+        else:
+            try:
+                value_a, value_b = a.objects[map_a[name]].value(), b.objects[map_b[name]].value()
+            except CheckpointError as exc:
+                results.append(ObjectDiff(name, "undecodable", str(exc)))
+                continue
+            equal = _plain_equal(value_a, value_b)
+            results.append(ObjectDiff(name, "equal" if equal else "different",
+                                      "" if equal else f"{_short(value_a)} != {_short(value_b)}"))
+    return results
+
+
+def _plain_equal(x: Any, y: Any) -> bool:
+    """Equality where a tuple equals a list with the same items (formats differ in which they keep)."""
+    if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+        return len(x) == len(y) and all(_plain_equal(p, q) for p, q in zip(x, y))
+    if isinstance(x, dict) and isinstance(y, dict):
+        return x.keys() == y.keys() and all(_plain_equal(x[k], y[k]) for k in x)
+    if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
+        return True
+    if isinstance(x, bool) or isinstance(y, bool):
+        return type(x) is type(y) and x == y
+    if isinstance(x, (int, float)) and isinstance(y, (int, float)):
+        return x == y
+    return type(x) is type(y) and x == y
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
