@@ -15,10 +15,13 @@ from .core import DEFAULT_READ_BUDGET, Checkpoint, Chunk, LogicalTensor, ObjectE
 from .errors import CheckpointError
 from .formats import detect
 from .formats import open_checkpoint as _open
+from .ops.convert import convert
+from .ops.diff import diff
+from .ops.verify import verify
 
 __all__ = [
     "Checkpoint", "CheckpointError", "Chunk", "DEFAULT_READ_BUDGET", "LogicalTensor", "ObjectEntry", "Placement",
-    "detect", "open",
+    "convert", "detect", "diff", "open", "verify",
 ]
 __version__ = "0.1.0"
 

@@ -33,7 +33,7 @@ class ChunkSource(Protocol):
     def array(self) -> np.ndarray: ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MappedArray:
     """A chunk stored raw at a byte offset of a file (safetensors, torch storages)."""
 
@@ -66,7 +66,7 @@ class Placement:
         return f"mesh({mesh}) [{', '.join(self.placements)}]"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """One stored box of a logical tensor."""
 
@@ -86,7 +86,7 @@ class Chunk:
         return self.source.array()
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class LogicalTensor:
     """A tensor as the model sees it, whatever the files and ranks it was split over."""
 

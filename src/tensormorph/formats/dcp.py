@@ -188,6 +188,13 @@ def _dtype_of(properties: Any, file: str, name: str) -> str:
     return dtype.vocabulary
 
 
+def _planner_data(value: Any) -> Any:
+    """fqn -> the original nesting path (kept cheap: it has an entry per tensor)."""
+    if isinstance(value, dict):
+        return {str(k): list(v) if type(v) is tuple else _plain(v) for k, v in value.items()}
+    return _plain(value)
+
+
 def _plain(value: Any) -> Any:
     """Metadata fields as JSON-able values for Checkpoint.metadata."""
     if isinstance(value, safe_pickle.Record):
@@ -280,7 +287,7 @@ def open(path: Path) -> Checkpoint:
     metadata = {
         "version": getattr(record, "version", None),
         "storage_meta": _plain(getattr(record, "storage_meta", None)),
-        "planner_data": _plain(getattr(record, "planner_data", None)),
+        "planner_data": _planner_data(getattr(record, "planner_data", None)),
         "metadata_files": [p.name for p in metadata_paths],
     }
     return Checkpoint(path=root, format=NAME, tensors=tensors, objects=objects, metadata=metadata,

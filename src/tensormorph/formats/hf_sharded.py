@@ -9,6 +9,7 @@ that holds it.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,7 @@ def read_index(files: LocalFiles, name: str) -> tuple[dict[str, str], dict[str, 
     for tensor, file in weight_map.items():
         if not isinstance(file, str):
             raise HeaderError(f"weight_map value must be a file name, found {file!r}", file=path, tensor=tensor)
+    for file in set(weight_map.values()):
         files.resolve(file, referrer=path)
     metadata = index.get("metadata") or {}
     if not isinstance(metadata, dict):
@@ -92,13 +94,16 @@ def open(path: Path) -> Checkpoint:
         if not shards:
             raise HeaderError("no *.index.json and not a folder of several safetensors files", file=str(path))
         root, weight_map, metadata = path, None, {}
+        files = LocalFiles(root)
         shard_names = [p.name for p in shards]
     else:
         root = index.parent
         files = LocalFiles(root)
         weight_map, metadata = read_index(files, index.name)
         shard_names = list(dict.fromkeys(weight_map.values()))
-    files = LocalFiles(root)
+    by_shard: dict[str, set[str]] = {}
+    for tensor, shard in (weight_map or {}).items():
+        by_shard.setdefault(shard, set()).add(tensor)
     where = str(index or path)
     tensors: dict[str, LogicalTensor] = {}
     objects: dict[str, ObjectEntry] = {}
@@ -106,18 +111,17 @@ def open(path: Path) -> Checkpoint:
     for number, shard in enumerate(shard_names, start=1):
         if not files.exists(shard):
             raise MissingFileError(f"shard file {shard!r} named by the index is missing", file=where)
-        found, found_objects, extra = _read_shard(files, shard)
+        found, found_objects, extra = _read_shard(files, shard, (number, len(shard_names)))
         if extra:
             file_metadata[shard] = extra
-        expected = None if weight_map is None else {t for t, f in weight_map.items() if f == shard}
+        expected = None if weight_map is None else by_shard[shard]
         for name, tensor in found.items():
             if expected is not None and name not in expected:
                 continue  # a tensor the index assigns elsewhere (or omits) is not part of the checkpoint
             if name in tensors:
                 raise HeaderError(f"tensor appears in both {tensors[name].files[0]!r} and {shard!r}",
                                   file=where, tensor=name)
-            tensors[name] = LogicalTensor(name, tensor.dtype, tensor.shape, tensor.chunks,
-                                          file_shard=(number, len(shard_names)))
+            tensors[name] = tensor
         objects.update(found_objects)
         if expected is not None:
             missing = sorted(expected - found.keys())
@@ -136,13 +140,14 @@ def open(path: Path) -> Checkpoint:
 checksum_problems = torch_pickle.checksum_problems  # .bin shards are torch.save zips; safetensors records none
 
 
-def _read_shard(files: LocalFiles, shard: str) -> tuple[dict[str, LogicalTensor], dict[str, ObjectEntry], dict]:
-    if st.looks_like_safetensors(files.resolve(shard)):
+def _read_shard(files: LocalFiles, shard: str, file_shard: tuple[int, int]
+                ) -> tuple[dict[str, LogicalTensor], dict[str, ObjectEntry], dict]:
+    if shard.endswith(".safetensors") or st.looks_like_safetensors(files.resolve(shard)):
         header = st.read_header(files, shard)
-        tensors = {e.name: LogicalTensor(e.name, e.dtype, e.shape, (st.whole_chunk(files, e, shard),))
-                   for e in header.entries.values()}
+        tensors = {e.name: LogicalTensor(e.name, e.dtype, e.shape, (st.whole_chunk(files, e, shard),),
+                                         file_shard=file_shard) for e in header.entries.values()}
         return tensors, {}, header.metadata
     if torch_pickle.looks_like_torch(files.resolve(shard)):
         tensors, objects = torch_pickle.read_file(files, shard)
-        return tensors, objects, {}
+        return {n: replace(t, file_shard=file_shard) for n, t in tensors.items()}, objects, {}
     raise HeaderError("shard is neither a safetensors nor a torch.save file", file=str(files.resolve(shard)))

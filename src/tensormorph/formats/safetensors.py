@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 
 from .. import dtypes
 from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray
@@ -21,7 +19,7 @@ PRIORITY = 40
 MAX_HEADER_BYTES = 100_000_000
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Entry:
     """One tensor record of a safetensors header, with absolute byte offsets."""
 
@@ -57,16 +55,14 @@ def looks_like_safetensors(path: Path) -> bool:
 def read_header(files: LocalFiles, name: str) -> Header:
     """Parse and validate one file's header; every problem is a HeaderError naming the file."""
     path = str(files.resolve(name))
-    size = files.size(name)
+    size, length, raw = files.read_prefixed(name, MAX_HEADER_BYTES)
     if size < 8:
         raise TruncatedFileError(f"is {size} bytes long; a safetensors file starts with an 8-byte header length",
                                  file=path)
-    (length,) = struct.unpack("<Q", files.read(name, 0, 8))
     if length > MAX_HEADER_BYTES:
         raise HeaderError(f"header length {length} exceeds the limit of {MAX_HEADER_BYTES} bytes", file=path)
     if length > size - 8:
         raise TruncatedFileError(f"header length {length} runs past the end of the {size}-byte file", file=path)
-    raw = files.read(name, 8, length)
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
@@ -90,20 +86,29 @@ def read_header(files: LocalFiles, name: str) -> Header:
 
 
 def _entry(path: str, tensor: str, info: object, data_start: int, data_len: int) -> Entry:
-    if not isinstance(info, dict):
+    # Plain loops and `type(...) is int` (which also excludes bool): this runs once per tensor on open.
+    if type(info) is not dict:
         raise HeaderError("header entry must be an object with dtype, shape, data_offsets", file=path, tensor=tensor)
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if not isinstance(dtype, str) or dtype not in dtypes.NUMPY_DTYPES:
+    numpy_dtype = dtypes.NUMPY_DTYPES.get(dtype) if type(dtype) is str else None
+    if numpy_dtype is None:
         raise HeaderError(f"unknown dtype {dtype!r}; expected one of {', '.join(dtypes.NUMPY_DTYPES)}",
                           file=path, tensor=tensor)
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+    numel = 1
+    if type(shape) is list:
+        for d in shape:
+            if type(d) is not int or d < 0:
+                numel = -1
+                break
+            numel *= d
+    if type(shape) is not list or numel < 0:
         raise HeaderError(f"shape must be a list of non-negative integers, found {shape!r}", file=path, tensor=tensor)
-    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
-            or offsets[0] > offsets[1]):
+    if (type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int
+            or type(offsets[1]) is not int or not 0 <= offsets[0] <= offsets[1]):
         raise HeaderError(f"data_offsets must be [begin, end] with 0 <= begin <= end, found {offsets!r}",
                           file=path, tensor=tensor)
     begin, end = offsets
-    expected = math.prod(shape) * dtypes.itemsize(dtype)
+    expected = numel * numpy_dtype.itemsize
     if end - begin != expected:
         raise HeaderError(f"holds {end - begin} bytes, but shape {shape} of {dtype} needs {expected}",
                           file=path, tensor=tensor)
@@ -111,10 +116,6 @@ def _entry(path: str, tensor: str, info: object, data_start: int, data_len: int)
         raise TruncatedFileError(f"data ends at byte {end} of the data section, but the file holds only {data_len}",
                                  file=path, tensor=tensor)
     return Entry(tensor, dtype, tuple(shape), data_start + begin, data_start + end)
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def whole_chunk(files: LocalFiles, entry: Entry, file: str, *, offsets: tuple[int, ...] | None = None,
@@ -125,7 +126,7 @@ def whole_chunk(files: LocalFiles, entry: Entry, file: str, *, offsets: tuple[in
         shape=entry.shape,
         file=file,
         byte_range=(entry.begin, entry.end),
-        source=MappedArray(files, file, entry.begin, np.dtype(dtypes.numpy_dtype(entry.dtype)), entry.shape),
+        source=MappedArray(files, file, entry.begin, dtypes.numpy_dtype(entry.dtype), entry.shape),
         ranks=ranks,
     )
 

@@ -6,6 +6,7 @@ from collections import Counter
 from typing import Any
 
 from ..core import Checkpoint, Chunk, LogicalTensor
+from .tree import module_tree
 
 
 def split_description(tensor: LogicalTensor) -> str:
@@ -72,4 +73,5 @@ def describe(checkpoint: Checkpoint, *, chunks: bool = True) -> dict[str, Any]:
         "nbytes": checkpoint.nbytes, "totals_by_dtype": totals_by_dtype(checkpoint),
         "metadata": dict(checkpoint.metadata), "objects": objects,
         "tensors": [tensor_record(t, chunks=chunks) for t in checkpoint.values()],
+        "tree": module_tree(checkpoint.values()).to_dict(),
     }
