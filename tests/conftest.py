@@ -152,3 +152,19 @@ def minilm() -> Path:
 def dcp_per_rank_ckpt() -> Path:
     """DCP saved with use_collectives=False (per-rank __{rank}.metadata files); tensor "w" is 10x3 over 4 ranks."""
     return _cached("dcp_per_rank", lambda d: builders.build_dcp_per_rank_metadata(d / "ckpt")) / "ckpt"
+
+
+@pytest.fixture(scope="session")
+def dcp_llama_1d(hf_llama_safetensors) -> Path:
+    """build_hf_llama's weights saved by DCP on 4 gloo ranks, every tensor Shard(0) on a 1-D mesh, HF names,
+    plus objects step=7, schedule.lr, schedule.warmup."""
+    return _cached("dcp_llama_1d", lambda d: builders.build_dcp_llama(
+        d / "ckpt", weights=builders.expected_paths(hf_llama_safetensors)[0], layout="1d")) / "ckpt"
+
+
+@pytest.fixture(scope="session")
+def dcp_llama_2d(hf_llama_safetensors) -> Path:
+    """The same weights by DCP on 2 gloo ranks over 2-D meshes (2,1)/(1,2) mixing Shard/Replicate,
+    fqns "model." + HF name, same objects as dcp_llama_1d."""
+    return _cached("dcp_llama_2d", lambda d: builders.build_dcp_llama(
+        d / "ckpt", weights=builders.expected_paths(hf_llama_safetensors)[0], layout="2d")) / "ckpt"

@@ -266,7 +266,8 @@ def verify_command(path: str, full: bool, as_json: bool) -> None:
         _print_json(report.to_dict())
     else:
         for problem in report.problems:
-            console.print(f"[red]{problem.kind}[/red] {problem.message}", highlight=False, soft_wrap=True)
+            where = ": ".join(part for part in (problem.file, problem.tensor and f"tensor {problem.tensor!r}") if part)
+            console.print(f"[red]{problem.kind}[/red] {where}: {problem.message}", highlight=False, soft_wrap=True)
         detail = f"{report.tensors} tensors, {report.files} files, {report.checksums_checked} checksums"
         if full:
             detail += f", {human_bytes(report.bytes_read)} read"
@@ -281,17 +282,18 @@ def verify_command(path: str, full: bool, as_json: bool) -> None:
 @click.option("--to", "target", type=click.Choice(["safetensors"]), default="safetensors", show_default=True)
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest shard file (HF units: GB = 10^9).")
 @click.option("--dtype", help="Cast floating-point tensors: bf16, fp16, fp32.")
+@click.option("--rename", "renames", multiple=True, help="Rename output tensors, as for diff: 'model.=' drops a prefix.")
 @click.option("--no-check", is_flag=True, help="Skip diffing the output against the source.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @_fails_cleanly
 def convert_command(source: str, destination: str, target: str, max_shard_size: str, dtype: str | None,
-                    no_check: bool, as_json: bool) -> None:
+                    renames: tuple[str, ...], no_check: bool, as_json: bool) -> None:
     """Write any checkpoint as a Hugging Face safetensors folder, streaming, then verify it."""
     with open_checkpoint(source) as ck:
         with _byte_progress("convert", ck.nbytes, enabled=not as_json) as progress:
             task = progress.add_task("convert", total=ck.nbytes)
             result = convert(ck, destination, to=target, max_shard_size=max_shard_size, dtype=dtype,
-                             check=not no_check, progress=lambda n: progress.advance(task, n))
+                             rename=list(renames), check=not no_check, progress=lambda n: progress.advance(task, n))
     check = result.check
     if as_json:
         _print_json({"destination": str(result.destination), "files": result.files, "tensors": result.tensors,

@@ -11,6 +11,7 @@ class CheckpointError(Exception):
     """Base class: something about a checkpoint is wrong or unreadable."""
 
     def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
+        self.reason = message  # without the file and tensor, for re-raising with more context
         self.file = file
         self.tensor = tensor
         where = []
@@ -39,6 +40,10 @@ class MissingFileError(CheckpointError):
 
 class ChecksumError(CheckpointError):
     """Bytes do not match the checksum the checkpoint recorded for them."""
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None, record: str = ""):
+        super().__init__(message, file=file, tensor=tensor)
+        self.record = record  # the damaged record inside the file, when the format has records
 
 
 class UnsafePathError(CheckpointError):

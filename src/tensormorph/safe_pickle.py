@@ -122,7 +122,7 @@ def loads(data: bytes | memoryview, allowed: Globals = BASE_GLOBALS, *,
         return _AllowlistUnpickler(data, allowed, persistent, file).load()
     except CheckpointError as exc:
         if exc.file is None and file is not None:
-            raise type(exc)(str(exc), file=file) from None
+            raise type(exc)(exc.reason, file=file, tensor=exc.tensor) from None
         raise
     except RecursionError:
         raise HeaderError("pickle is nested too deeply", file=file) from None

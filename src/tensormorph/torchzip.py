@@ -235,7 +235,8 @@ def check_crc(buffer: memoryview, *, file: str, item: str | None = None) -> None
     except Exception as exc:  # a damaged directory raises many types
         raise HeaderError(f"not a readable zip archive ({type(exc).__name__}: {exc})", file=file, tensor=item) from None
     if bad is not None:
-        raise ChecksumError(f"zip record {bad!r} does not match its recorded CRC-32", file=file, tensor=item)
+        raise ChecksumError(f"zip record {bad!r} does not match its recorded CRC-32", file=file, tensor=item,
+                            record=bad)
 
 
 def _data_offset(buffer: memoryview, record: zipfile.ZipInfo) -> int:

@@ -8,6 +8,7 @@ Adding a format means adding one module here and nothing else.
 from __future__ import annotations
 
 import importlib
+from contextlib import ExitStack
 import pkgutil
 from pathlib import Path
 from types import ModuleType
@@ -53,3 +54,8 @@ def open_checkpoint(path: str | Path, format: str | None = None) -> Checkpoint:
         raise
     except RecursionError:
         raise CheckpointError("structure is nested too deeply to read", file=str(path)) from None
+
+
+def opened(source: str | Path | Checkpoint, stack: ExitStack) -> Checkpoint:
+    """`source` itself when already open, else opened from its path and closed when `stack` unwinds."""
+    return source if isinstance(source, Checkpoint) else stack.enter_context(open_checkpoint(source))

@@ -21,7 +21,8 @@ import zstandard
 
 from .. import dtypes, safe_pickle, torchzip
 from ..core import Checkpoint, Chunk, LogicalTensor, ObjectEntry, validate_tiling
-from ..errors import CheckpointError, HeaderError, TruncatedFileError, UnsafePickleError, UnsupportedError
+from ..errors import (CheckpointError, HeaderError, MissingFileError, TruncatedFileError, UnsafePickleError,
+                      UnsupportedError)
 from ..storage import LocalFiles
 
 NAME = "dcp"
@@ -262,7 +263,14 @@ def open(path: Path) -> Checkpoint:
     metadata_paths, where = parsed.metadata_paths, str(parsed.metadata_paths[0])
 
     data_files = sorted({item.file for item in storage.values()})
-    sizes = {f: files.size(f) for f in data_files}
+    sizes = {}
+    for file in data_files:
+        try:
+            sizes[file] = files.size(file)
+        except MissingFileError:
+            held = sorted(fqn for (fqn, _), item in storage.items() if item.file == file)
+            raise MissingFileError(f"data file is missing; {where} places {len(held)} item(s) in it",
+                                   file=str(files.resolve(file)), tensor=held[0]) from None
     for key, item in storage.items():
         if item.offset < 0 or item.length < 0 or item.offset + item.length > sizes[item.file]:
             raise TruncatedFileError(f"item [{item.offset}, {item.offset + item.length}) lies past the end of the "

@@ -110,7 +110,9 @@ def open(path: Path) -> Checkpoint:
     file_metadata: dict[str, dict[str, str]] = {}
     for number, shard in enumerate(shard_names, start=1):
         if not files.exists(shard):
-            raise MissingFileError(f"shard file {shard!r} named by the index is missing", file=where)
+            held = sorted(by_shard.get(shard, ()))
+            raise MissingFileError(f"shard file is missing; {where} places {len(held)} tensor(s) in it",
+                                   file=str(files.resolve(shard)), tensor=held[0] if held else None)
         found, found_objects, extra = _read_shard(files, shard, (number, len(shard_names)))
         if extra:
             file_metadata[shard] = extra

@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import dtypes, torchzip
 from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray, ObjectEntry
-from ..errors import CheckpointError, HeaderError
+from ..errors import CheckpointError, ChecksumError, HeaderError
 from ..storage import LocalFiles
 
 NAME = "torch"
@@ -109,14 +109,27 @@ def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointE
     """Check the CRC-32 of every record of every torch.save file of the checkpoint."""
     assert checkpoint.storage is not None
     for file in checkpoint.files:
-        if not torchzip.is_torch_zip(bytes(checkpoint.storage.buffer(file)[:4])):
+        buffer = checkpoint.storage.buffer(file)
+        if not torchzip.is_torch_zip(bytes(buffer[:4])):
             continue
+        path = str(checkpoint.storage.resolve(file))
         try:
-            torchzip.check_crc(checkpoint.storage.buffer(file), file=str(checkpoint.storage.resolve(file)))
+            torchzip.check_crc(buffer, file=path)
+        except ChecksumError as exc:
+            yield file, ChecksumError(exc.reason, file=path, tensor=_tensor_on_record(buffer, path, exc.record),
+                                      record=exc.record)
         except CheckpointError as exc:
             yield file, exc
         else:
             yield file, None
+
+
+def _tensor_on_record(buffer: memoryview, path: str, record: str) -> str | None:
+    """The first tensor stored in the damaged record, so the report can name it."""
+    for name, leaf in flatten(torchzip.load(buffer, file=path)):
+        if isinstance(leaf, torchzip.TensorRef) and record.endswith(f"data/{leaf.storage.key}"):
+            return name
+    return None
 
 
 def open(path: Path) -> Checkpoint:

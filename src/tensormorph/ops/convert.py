@@ -14,7 +14,8 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +25,8 @@ from .. import dtypes
 from ..core import Checkpoint, LogicalTensor, split_box
 from ..errors import CheckpointError
 from ..safetensors_writer import TensorSpec, write_file
-from .diff import DiffReport, diff
+from ..formats import opened
+from .diff import DiffReport, aligned_names, diff, parse_rename
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
 DEFAULT_BLOCK_BYTES = 64 * 1024**2
@@ -85,19 +87,24 @@ def tensor_blocks(tensor: LogicalTensor, dtype: str, block_bytes: int) -> Iterat
 
 def convert(source: str | Path | Checkpoint, destination: str | Path, *, to: str = "safetensors",
             max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES, dtype: str | None = None,
-            block_bytes: int = DEFAULT_BLOCK_BYTES, check: bool = True,
+            rename: Sequence[str] | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES, check: bool = True,
             progress: Callable[[int], None] | None = None) -> ConvertResult:
     """Write `source` as a Hugging Face safetensors folder at `destination` and diff it against the source.
 
-    `dtype` casts floating-point tensors (integers keep theirs). Non-tensor entries cannot be stored
+    `dtype` casts floating-point tensors (integers keep theirs); `rename` rules (as for diff, e.g.
+    'model.=' to drop a wrapper's prefix) give the output names. Non-tensor entries cannot be stored
     in safetensors and are listed in the result's `skipped_objects`.
     """
-    from .. import open as open_checkpoint
-
     if to != "safetensors":
         raise CheckpointError(f"cannot convert to {to!r}: supported targets are 'safetensors'")
-    ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
-    destination = Path(destination)
+    with ExitStack() as stack:
+        return _convert(opened(source, stack), Path(destination), max_shard_size=max_shard_size, dtype=dtype,
+                        rename=rename, block_bytes=block_bytes, check=check, progress=progress)
+
+
+def _convert(ck: Checkpoint, destination: Path, *, max_shard_size: int | str, dtype: str | None,
+             rename: Sequence[str] | None, block_bytes: int, check: bool,
+             progress: Callable[[int], None] | None) -> ConvertResult:
     if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
         raise CheckpointError("destination exists and is not an empty folder; choose a new path", file=str(destination))
     limit = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
@@ -106,7 +113,10 @@ def convert(source: str | Path | Checkpoint, destination: str | Path, *, to: str
     def out_dtype(t: LogicalTensor) -> str:
         return target if target and dtypes.is_floating(t.dtype) else t.dtype
 
-    specs = [TensorSpec(t.name, out_dtype(t), t.shape) for t in ck.values()]
+    rules = [parse_rename(r) for r in rename or ()]
+    output_names = {original: aligned for aligned, original in aligned_names(list(ck), rules, "a").items()}
+    specs = [TensorSpec(output_names[t.name], out_dtype(t), t.shape) for t in ck.values()]
+    source_of = {spec.name: t for spec, t in zip(specs, ck.values())}
     shards = plan_shards(specs, limit)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
@@ -116,7 +126,7 @@ def convert(source: str | Path | Checkpoint, destination: str | Path, *, to: str
     try:
         for name, shard in zip(names, shards):
             def blocks(spec: TensorSpec) -> Iterator[np.ndarray]:
-                for block in tensor_blocks(ck[spec.name], spec.dtype, block_bytes):
+                for block in tensor_blocks(source_of[spec.name], spec.dtype, block_bytes):
                     yield block
                     if progress is not None:
                         progress(block.nbytes)
@@ -133,5 +143,6 @@ def convert(source: str | Path | Checkpoint, destination: str | Path, *, to: str
         raise
     result = ConvertResult(destination, names, len(specs), written, skipped_objects=list(ck.objects))
     if check:
-        result.check = diff(ck, destination, cast=target, objects=False, block_bytes=block_bytes)
+        result.check = diff(ck, destination, cast=target, objects=False, block_bytes=block_bytes,
+                            rename=[f"a:{r}" for r in rename or ()])
     return result

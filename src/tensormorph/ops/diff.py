@@ -14,6 +14,7 @@ import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import numpy as np
 from .. import dtypes
 from ..core import Checkpoint, LogicalTensor, split_box
 from ..errors import CheckpointError
+from ..formats import opened
 
 DEFAULT_BLOCK_BYTES = 64 * 1024**2
 
@@ -95,13 +97,26 @@ class DiffReport:
                 "objects": [asdict(o) for o in self.objects]}
 
 
-RenameRule = Callable[[str], str]
+@dataclass(frozen=True)
+class NameRule:
+    """A rename rule and the side(s) it applies to."""
+
+    text: str
+    apply: Callable[[str], str]
+    sides: str  # "ab", "a" or "b"
 
 
-def parse_rename(rule: str) -> RenameRule:
-    """A name rule: 'OLD=NEW' replaces a prefix (NEW may be empty), 're:PATTERN=REPLACEMENT' a regex."""
-    if rule.startswith("re:"):
-        pattern, sep, replacement = rule[3:].partition("=")
+def parse_rename(rule: str) -> NameRule:
+    """A name rule: 'OLD=NEW' replaces a prefix (NEW may be empty), 're:PATTERN=REPLACEMENT' rewrites
+    by regex (split at the last '='); 'a:RULE' or 'b:RULE' applies it to one side only."""
+    sides, body = ("a", rule[2:]) if rule.startswith("a:") else ("b", rule[2:]) if rule.startswith("b:") \
+        else ("ab", rule)
+    return NameRule(rule, _rule_function(body, rule), sides)
+
+
+def _rule_function(body: str, rule: str) -> Callable[[str], str]:
+    if body.startswith("re:"):
+        pattern, sep, replacement = body[3:].rpartition("=")
         if not sep:
             raise CheckpointError(f"rename rule {rule!r} needs '=': 're:PATTERN=REPLACEMENT'")
         try:
@@ -109,18 +124,20 @@ def parse_rename(rule: str) -> RenameRule:
         except re.error as exc:
             raise CheckpointError(f"rename rule {rule!r}: bad regular expression: {exc}") from None
         return lambda name: compiled.sub(replacement, name)
-    old, sep, new = rule.partition("=")
+    old, sep, new = body.partition("=")
     if not sep or not old:
         raise CheckpointError(f"rename rule {rule!r} should be 'PREFIX=REPLACEMENT' or 're:PATTERN=REPLACEMENT'")
     return lambda name: new + name[len(old):] if name.startswith(old) else name
 
 
-def _aligned(names: Sequence[str], rules: Sequence[RenameRule], side: str) -> dict[str, str]:
+def aligned_names(names: Sequence[str], rules: Sequence[NameRule], side: str) -> dict[str, str]:
+    """aligned name -> original name, after the rules that apply to this side."""
     result: dict[str, str] = {}
     for name in names:
         aligned = name
         for rule in rules:
-            aligned = rule(aligned)
+            if side in rule.sides:
+                aligned = rule.apply(aligned)
         if aligned in result:
             raise CheckpointError(f"rename rules map both {result[aligned]!r} and {name!r} of checkpoint {side} "
                                   f"to {aligned!r}")
@@ -135,19 +152,25 @@ def diff(a: str | Path | Checkpoint, b: str | Path | Checkpoint, *, atol: float 
     """Compare the logical tensors (and non-tensor entries) of two checkpoints.
 
     `names` limits the comparison to these aligned names; `rename` holds rules applied to the
-    names of both sides ('model.=' strips a prefix, 're:PATTERN=REPL' rewrites); `cast` converts
+    names of both sides ('model.=' strips a prefix, 're:PATTERN=REPL' rewrites; an 'a:' or 'b:'
+    prefix limits a rule to one side); `cast` converts
     side a's floating-point values to that dtype before comparing (to check a conversion exactly);
     `objects=False` compares tensors only.
     `progress` receives the number of bytes of side b compared so far, in increments.
     """
-    from .. import open as open_checkpoint
-
-    ck_a = a if isinstance(a, Checkpoint) else open_checkpoint(a)
-    ck_b = b if isinstance(b, Checkpoint) else open_checkpoint(b)
     rules = [parse_rename(r) for r in rename or ()]
-    map_a, map_b = _aligned(list(ck_a), rules, "a"), _aligned(list(ck_b), rules, "b")
+    with ExitStack() as stack:
+        ck_a, ck_b = opened(a, stack), opened(b, stack)
+        return _diff(ck_a, ck_b, rules, atol=atol, rtol=rtol, names=names, cast=cast, objects=objects,
+                     block_bytes=block_bytes, threads=threads, progress=progress)
+
+
+def _diff(ck_a: Checkpoint, ck_b: Checkpoint, rules: list[NameRule], *, atol: float, rtol: float,
+          names: Sequence[str] | None, cast: str | None, objects: bool, block_bytes: int, threads: int,
+          progress: Callable[[int], None] | None) -> DiffReport:
+    map_a, map_b = aligned_names(list(ck_a), rules, "a"), aligned_names(list(ck_b), rules, "b")
     wanted = list(dict.fromkeys([*map_a, *map_b])) if names is None else list(names)
-    report = DiffReport(str(ck_a.path), str(ck_b.path), atol, rtol, list(rename or ()))
+    report = DiffReport(str(ck_a.path), str(ck_b.path), atol, rtol, [r.text for r in rules])
 
     def compare(name: str) -> TensorDiff:
         ta = ck_a[map_a[name]] if name in map_a else None
@@ -180,19 +203,19 @@ def compare_tensors(name: str, a: LogicalTensor | None, b: LogicalTensor | None,
     if a.shape != b.shape:
         return TensorDiff(name, "shape_mismatch", **base)
     cast = cast if cast and dtypes.is_floating(a.dtype) else None  # a dtype conversion leaves integers alone
-    dtype_a = cast or a.dtype
+    if cast:
+        base["dtype_a"] = cast  # the dtype actually compared
     cast_dtype = dtypes.numpy_dtype(cast) if cast else None
-    same_dtype = dtype_a == b.dtype
+    same_dtype = base["dtype_a"] == b.dtype
     boxes = list(aligned_blocks(a, b, block_bytes))
-    differing: list[int] = []
     if same_dtype:
-        for i, box in enumerate(boxes):
+        differs = False
+        for box in boxes:
             block_a, block_b = _read(a, box, cast_dtype), b.read(box)
-            if not _same_bytes(block_a, block_b):
-                differing.append(i)
+            differs = differs or not _same_bytes(block_a, block_b)
             if progress is not None:
                 progress(block_b.nbytes)
-        if not differing:
+        if not differs:
             # bitwise equal: the figures are exact without a numeric pass (cosine of identical vectors is 1)
             return TensorDiff(name, "equal", **base, max_abs=0.0, max_rel=0.0, rel_l2=0.0,
                               cosine=1.0 if a.numel else None)
@@ -272,10 +295,12 @@ class _NumericAccumulator:
         one_nan = nan_x != nan_y
         both_nan = nan_x & nan_y
         same_inf = np.isinf(x) & (x == y)
-        delta = np.abs(x - y)
+        with np.errstate(invalid="ignore"):  # inf - inf: handled by the masks below
+            delta = np.abs(x - y)
         delta[both_nan | same_inf] = 0.0
         delta[one_nan] = np.inf
-        magnitude = np.abs(y)
+        # a NaN or infinite b must not make the tolerance NaN or infinite
+        magnitude = np.where(np.isfinite(y), np.abs(y), 0.0)
         outside = delta > (self.atol + self.rtol * magnitude)
         self.mismatches += int(outside.sum())
         self.nan_mismatches += int(one_nan.sum())
@@ -324,8 +349,8 @@ def _as_float64(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float64)
 
 
-def _compare_objects(a: Checkpoint, b: Checkpoint, rules: Sequence[RenameRule]) -> list[ObjectDiff]:
-    map_a, map_b = _aligned(list(a.objects), rules, "a"), _aligned(list(b.objects), rules, "b")
+def _compare_objects(a: Checkpoint, b: Checkpoint, rules: Sequence[NameRule]) -> list[ObjectDiff]:
+    map_a, map_b = aligned_names(list(a.objects), rules, "a"), aligned_names(list(b.objects), rules, "b")
     results = []
     for name in dict.fromkeys([*map_a, *map_b]):
         if name not in map_b:

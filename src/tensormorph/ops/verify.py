@@ -47,7 +47,7 @@ class VerifyReport:
 
 
 def _problem(exc: CheckpointError) -> Problem:
-    return Problem(type(exc).__name__, str(exc), exc.file, exc.tensor)
+    return Problem(type(exc).__name__, exc.reason, exc.file, exc.tensor)
 
 
 def verify(path: str | Path, *, full: bool = False, progress: Callable[[int], None] | None = None) -> VerifyReport:
