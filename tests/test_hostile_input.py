@@ -8,6 +8,7 @@ hypothesis mutates them or builds headers from scratch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -29,11 +30,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
+import torch  # a dev dependency: the seeds are made by torch itself
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
 import tensormorph as tm
 from tensormorph import safe_pickle
+from tensormorph.ops.stats import tensor_stats
 from tensormorph.errors import (
     CheckpointError,
     ChunkLayoutError,
@@ -47,7 +50,6 @@ from tensormorph.errors import (
     UnsupportedError,
 )
 
-torch = pytest.importorskip("torch")  # a dev dependency; the seeds are made by torch itself
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,6 +89,7 @@ def exercise(path: Path, format: str | None = None, *, detect: bool = True) -> A
                 value = np.asarray(value)
                 assert value.shape == tensor.shape
                 assert value.dtype == tensor.numpy_dtype
+            outcome(lambda: tensor_stats(tensor))  # what `tensormorph stats` runs
         for entry in ck.objects.values():
             outcome(entry.value)
     return opened
@@ -229,7 +232,11 @@ def test_safetensors_random_headers(header: Any, data_len: int, seed: int) -> No
                 assert list(tensor.shape) == header[name]["shape"]
                 assert end - begin == tensor.nbytes and end <= data_len
                 assert tensor.chunks[0].byte_range == (header_end + begin, header_end + end)
-                assert tensor.full().tobytes() == data[begin:end]
+                stored = np.frombuffer(data[begin:end], np.uint8)
+                if tensor.dtype == "BOOL":  # any non-zero byte is True; numpy copies normalise it to 1
+                    assert np.array_equal(tensor.full().reshape(-1), stored != 0)
+                else:
+                    assert tensor.full().tobytes() == data[begin:end]
                 if end > begin:
                     spans.append((begin, end))
             spans.sort()
@@ -249,9 +256,14 @@ def seed_tensors() -> dict[str, np.ndarray]:
     }
 
 
+@functools.cache
+def safetensors_seed_bytes() -> bytes:
+    return safetensors.numpy.save(seed_tensors(), metadata={"format": "np", "note": "seed"})
+
+
 @pytest.fixture(scope="module")
 def safetensors_seed() -> bytes:
-    return safetensors.numpy.save(seed_tensors(), metadata={"format": "np", "note": "seed"})
+    return safetensors_seed_bytes()
 
 
 def _header_range(blob: bytes) -> list[tuple[int, int]]:
@@ -261,8 +273,9 @@ def _header_range(blob: bytes) -> list[tuple[int, int]]:
 
 @FUZZ
 @given(data=st.data())
-def test_safetensors_mutated_bytes(safetensors_seed: bytes, data: st.DataObject) -> None:
-    blob = mutate(safetensors_seed, data.draw(edits(len(safetensors_seed), _header_range(safetensors_seed))))
+def test_safetensors_mutated_bytes(data: st.DataObject) -> None:
+    seed = safetensors_seed_bytes()
+    blob = mutate(seed, data.draw(edits(len(seed), _header_range(seed))))
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "model.safetensors"
         path.write_bytes(blob)
@@ -307,10 +320,10 @@ GOOD = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
 @pytest.mark.parametrize("header, data_len, error, message", [
     ({"w": {**GOOD, "dtype": "F31"}}, 16, HeaderError, "unknown dtype 'F31'"),
     ({"w": {**GOOD, "dtype": 4}}, 16, HeaderError, "unknown dtype 4"),
-    ({"w": {**GOOD, "shape": [-2, -2]}}, 16, HeaderError, "non-negative"),
-    ({"w": {**GOOD, "shape": [2.0, 2]}}, 16, HeaderError, "non-negative"),
-    ({"w": {**GOOD, "shape": [True, 4]}}, 16, HeaderError, "non-negative"),
-    ({"w": {**GOOD, "shape": [2**64, 2**64]}}, 16, HeaderError, "needs"),
+    ({"w": {**GOOD, "shape": [-2, -2]}}, 16, HeaderError, r"integers in \[0, 2\*\*62\)"),
+    ({"w": {**GOOD, "shape": [2.0, 2]}}, 16, HeaderError, r"integers in \[0, 2\*\*62\)"),
+    ({"w": {**GOOD, "shape": [True, 4]}}, 16, HeaderError, r"integers in \[0, 2\*\*62\)"),
+    ({"w": {**GOOD, "shape": [2**64, 2**64]}}, 16, HeaderError, r"integers in \[0, 2\*\*62\)"),
     ({"w": {**GOOD, "data_offsets": [0, 32]}}, 32, HeaderError, "holds 32 bytes"),
     ({"w": {**GOOD, "data_offsets": [16, 0]}}, 16, HeaderError, "begin <= end"),
     ({"w": {**GOOD, "data_offsets": [-16, 0]}}, 16, HeaderError, "data_offsets"),
@@ -357,8 +370,6 @@ def test_safetensors_truncated_data_section(safetensors_seed: bytes, tmp_path: P
         tm.open(path)
 
 
-@pytest.mark.xfail(strict=True, reason="src bug: formats/safetensors.py:72 catches json.JSONDecodeError but not the "
-                   "plain ValueError json.loads raises for integers over 4300 digits")
 def test_safetensors_header_with_a_huge_integer_is_a_header_error(tmp_path: Path) -> None:
     path = tmp_path / "model.safetensors"
     path.write_bytes(safetensors_bytes(None, raw_header=b'{"w":{"dtype":"F32","shape":[' + b"7" * 5000
@@ -367,9 +378,6 @@ def test_safetensors_header_with_a_huge_integer_is_a_header_error(tmp_path: Path
         tm.open(path, "safetensors")
 
 
-@pytest.mark.xfail(strict=True, reason="src bug: formats/safetensors.py _entry accepts zero-size shapes numpy cannot "
-                   "represent ([0, 2**70]); core.py:139 np.empty then raises OverflowError/ValueError outside the "
-                   "CheckpointError translation")
 @pytest.mark.parametrize("shape", [[0, 2**70], [0, 2**40, 2**40]])
 def test_safetensors_unrepresentable_empty_shape(tmp_path: Path, shape: list[int]) -> None:
     path = tmp_path / "model.safetensors"
@@ -467,7 +475,7 @@ def test_hf_index_weight_maps(hf_scratch: Path, weight_map: dict, metadata: Any)
     ("../outside.safetensors", UnsafePathError, "outside the checkpoint folder"),
     ("link.safetensors", UnsafePathError, "resolves outside the checkpoint folder"),
     ("linkdir/stolen.safetensors", UnsafePathError, "resolves outside the checkpoint folder"),
-    ("missing.safetensors", MissingFileError, "'missing.safetensors' named by the index is missing"),
+    ("missing.safetensors", MissingFileError, r"missing\.safetensors.*is missing"),
     (SHARD2, TensorNotFoundError, "does not contain it"),
 ])
 def test_hf_index_bad_targets(hf_folder: Path, target: str, error: type, message: str) -> None:
@@ -515,9 +523,6 @@ def test_hf_index_random_bytes(hf_scratch: Path, blob: bytes, change: Any) -> No
             exercise(hf_scratch)
 
 
-@pytest.mark.xfail(strict=True, reason="src bug: formats/hf_sharded.py:60 _is_index does `'weight_map' in "
-                   "json.loads(...)`: TypeError for a JSON number/null, RecursionError for deep nesting; "
-                   "detect() runs outside open_checkpoint's error translation")
 @pytest.mark.parametrize("text", ["5", "null", "[" * 100000 + "]" * 100000])
 def test_hf_index_detection_of_non_object_json(hf_folder: Path, text: str) -> None:
     folder = write_index(hf_folder, text)
@@ -530,8 +535,8 @@ def test_hf_index_detection_of_non_object_json(hf_folder: Path, text: str) -> No
 # ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def torch_seed() -> bytes:
+@functools.cache
+def torch_seed_bytes() -> bytes:
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     state = {
         "w": w,
@@ -545,6 +550,11 @@ def torch_seed() -> bytes:
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def torch_seed() -> bytes:
+    return torch_seed_bytes()
 
 
 def _zip_hot_ranges(blob: bytes) -> list[tuple[int, int]]:
@@ -575,15 +585,39 @@ def test_torch_seed_reads_back(torch_seed: bytes, tmp_path: Path) -> None:
         assert ck.objects["nested.step"].value() == 3
 
 
+def zip_detection_bug(blob: bytes) -> bool:
+    """zipfile raises something other than BadZipFile/OSError/ValueError: a known detection bug
+    (test_torch_detection_of_a_zip_with_an_unsupported_version)."""
+    try:
+        zipfile.ZipFile(io.BytesIO(blob)).namelist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return False
+    except Exception:
+        return True
+    return False
+
+
 @FUZZ
 @given(data=st.data())
-def test_torch_zip_mutated_bytes(torch_seed: bytes, data: st.DataObject) -> None:
-    blob = mutate(torch_seed, data.draw(edits(len(torch_seed), _zip_hot_ranges(torch_seed))))
+def test_torch_zip_mutated_bytes(data: st.DataObject) -> None:
+    seed = torch_seed_bytes()
+    blob = mutate(seed, data.draw(edits(len(seed), _zip_hot_ranges(seed))))
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "state.pt"
         path.write_bytes(blob)
-        exercise(path, "torch")
-        exercise(path)
+        exercise(path, "torch", detect=False)
+        if not zip_detection_bug(blob):
+            exercise(path)
+
+
+def test_torch_detection_of_a_zip_with_an_unsupported_version(torch_seed: bytes, tmp_path: Path) -> None:
+    blob = bytearray(torch_seed)
+    central = blob.find(b"PK\x01\x02")
+    blob[central + 6] = 64  # "version needed to extract" 6.4
+    path = tmp_path / "state.pt"
+    path.write_bytes(bytes(blob))
+    assert isinstance(outcome(lambda: tm.open(path, "torch")), HeaderError)  # the reader itself copes
+    assert isinstance(outcome(lambda: tm.open(path)), CheckpointError)
 
 
 def torch_zip(pickle_bytes: bytes, storages: dict[str, bytes] | None = None, *, byteorder: bytes = b"little") -> bytes:
@@ -598,18 +632,23 @@ def torch_zip(pickle_bytes: bytes, storages: dict[str, bytes] | None = None, *, 
     return buffer.getvalue()
 
 
-@pytest.fixture(scope="module")
-def torch_seed_parts(torch_seed: bytes) -> tuple[bytes, dict[str, bytes]]:
-    archive = zipfile.ZipFile(io.BytesIO(torch_seed))
+@functools.cache
+def torch_seed_parts_cached() -> tuple[bytes, dict[str, bytes]]:
+    archive = zipfile.ZipFile(io.BytesIO(torch_seed_bytes()))
     pkl = archive.read("archive/data.pkl")
     storages = {n.split("/")[-1]: archive.read(n) for n in archive.namelist() if "/data/" in n}
     return pkl, storages
 
 
+@pytest.fixture(scope="module")
+def torch_seed_parts() -> tuple[bytes, dict[str, bytes]]:
+    return torch_seed_parts_cached()
+
+
 @FUZZ
 @given(data=st.data())
-def test_torch_zip_mutated_pickle_in_a_valid_zip(torch_seed_parts: tuple[bytes, dict], data: st.DataObject) -> None:
-    pkl, storages = torch_seed_parts
+def test_torch_zip_mutated_pickle_in_a_valid_zip(data: st.DataObject) -> None:
+    pkl, storages = torch_seed_parts_cached()
     mutated = mutate(pkl, data.draw(edits(len(pkl))))
     assume(not huge_memo_index(mutated))
     with tempfile.TemporaryDirectory() as folder:
@@ -768,20 +807,26 @@ def test_dcp_metadata_with_code_pickle_is_refused(tmp_path: Path, case: str) -> 
     assert ".metadata" in str(error)
 
 
-def test_record_state_cannot_set_dunder_attributes(tmp_path: Path) -> None:
+def test_record_state_cannot_change_a_records_class(tmp_path: Path) -> None:
+    """BUILD state naming __class__ (and friends) must not turn a stand-in record into something else."""
+    from tensormorph.formats import dcp as dcp_format
+
+    payload = (b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81}(X\x09\x00\x00\x00__class__"
+               b"ctorch.distributed.checkpoint.metadata\nMetadataIndex\nX\x0a\x00\x00\x00__reduce__cbuiltins\nset\nub.")
+    record = outcome(lambda: safe_pickle.loads(payload, dcp_format._metadata_globals()))
+    if not isinstance(record, CheckpointError):
+        assert type(record).__name__ == "Metadata" and isinstance(record, safe_pickle.Record)
     folder = tmp_path / "ckpt"
     folder.mkdir()
-    (folder / ".metadata").write_bytes(
-        b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81}(X\x09\x00\x00\x00__class__"
-        b"ctorch.distributed.checkpoint.metadata\nMetadataIndex\nub.")
-    with pytest.raises(HeaderError, match="invalid attribute name '__class__'"):
+    (folder / ".metadata").write_bytes(payload)
+    with pytest.raises(HeaderError):
         tm.open(folder)
 
 
 @pytest.mark.parametrize("payload, error", [
     (b"\x80\x02c_codecs\nencode\nX\x01\x00\x00\x00aX\x05\x00\x00\x00rot13\x86R.", HeaderError),
     (b"\x80\x02ccollections\nOrderedDict\nK\x05\x85R.", HeaderError),
-    (b"\x80\x02ctorch\nSize\nX\x01\x00\x00\x00a\x85\x85R.", HeaderError),
+    (b"\x80\x02ctorch\nSize\nK\x05\x85R.", HeaderError),
     (b"\x80\x02}" * 3, HeaderError),
     (b"(" * 100000 + b".", HeaderError),
     (b"\x80\x05\x95\xff\xff\xff\xff\xff\xff\xff\x7f.", HeaderError),
@@ -826,9 +871,6 @@ def test_safe_pickle_random_bytes(payload: bytes) -> None:
         assert only_plain_values(value)
 
 
-@pytest.mark.xfail(strict=True, reason="src bug: safe_pickle.py:123 loads with the C pickle.Unpickler, whose memo is "
-                   "an array: LONG_BINPUT/PUT with a huge index makes it allocate and zero 16 bytes per index "
-                   "(a 12-byte .pt/.metadata pickle can demand up to 64 GiB)")
 def test_pickle_memo_index_cannot_demand_gigabytes() -> None:
     probe = (
         "import resource, sys\n"
@@ -869,6 +911,18 @@ def dcp_seed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+def nul_in_stored_path(blob: bytes) -> bool:
+    """A .metadata naming a data file with a NUL byte: a known bug (test_nul_byte_in_a_named_file_...)."""
+    from tensormorph.formats import dcp as dcp_format
+
+    try:
+        record = safe_pickle.loads(blob, dcp_format._metadata_globals())
+    except CheckpointError:
+        return False
+    storage = getattr(record, "storage_data", None)
+    return isinstance(storage, dict) and any("\x00" in str(getattr(v, "relative_path", "")) for v in storage.values())
+
+
 def copy_dcp(seed: Path, target: Path) -> Path:
     shutil.copytree(seed, target)
     return target
@@ -905,6 +959,7 @@ def test_dcp_metadata_mutated_bytes(dcp_seed: Path, dcp_scratch: Path, data: st.
     seed = (dcp_seed / ".metadata").read_bytes()
     blob = mutate(seed, data.draw(edits(len(seed))))
     assume(not huge_memo_index(blob))
+    assume(not nul_in_stored_path(blob))
     replace_file(dcp_scratch / ".metadata", blob)
     exercise(dcp_scratch, "dcp")
     exercise(dcp_scratch)
@@ -956,6 +1011,20 @@ def test_dcp_storage_path_through_an_escaping_link_is_refused(dcp_seed: Path, tm
     save_metadata(folder, metadata)
     with pytest.raises(UnsafePathError, match="resolves outside the checkpoint folder"):
         tm.open(folder)
+
+
+@pytest.mark.parametrize("where", ["dcp", "hf"])
+def test_nul_byte_in_a_named_file_is_a_checkpoint_error(dcp_seed: Path, hf_folder: Path, tmp_path: Path,
+                                                         where: str) -> None:
+    if where == "dcp":
+        folder = copy_dcp(dcp_seed, tmp_path / "ckpt")
+        metadata = load_metadata(folder)
+        key = next(k for k in metadata.storage_data if k.fqn == "w")
+        metadata.storage_data[key] = dataclasses.replace(metadata.storage_data[key], relative_path="__0_0\x00.distcp")
+        save_metadata(folder, metadata)
+    else:
+        folder = write_index(hf_folder, {"weight_map": {"a": "model\x00.safetensors"}})
+    assert isinstance(outcome(lambda: tm.open(folder)), CheckpointError)
 
 
 def test_dcp_item_past_the_end_of_its_file(dcp_seed: Path, tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import click
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 from rich.tree import Tree
@@ -38,10 +39,14 @@ def _fails_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return command(*args, **kwargs)
         except CheckpointError as exc:
-            errors.print(f"[red]error:[/red] {exc}", markup=True, highlight=False, soft_wrap=True)
+            _print_error(exc)
             sys.exit(2)
 
     return wrapper
+
+
+def _print_error(exc: CheckpointError) -> None:
+    errors.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
 
 
 def _print_json(data: Any) -> None:
@@ -76,26 +81,26 @@ def inspect(path: str, format_: str | None, chunks: bool, no_tree: bool, as_json
         if as_json:
             _print_json(summary)
             return
-        console.print(f"[bold]{ck.path}[/bold]  format [cyan]{ck.format}[/cyan]  "
+        console.print(f"[bold]{escape(str(ck.path))}[/bold]  format [cyan]{ck.format}[/cyan]  "
                       f"{len(ck)} tensors  {summary['params']:,} params  {human_bytes(ck.nbytes)}  "
                       f"{len(ck.files)} file(s)")
         for key, value in ck.metadata.items():
             if value not in (None, {}, []):
-                console.print(f"[dim]{key}:[/dim] {_short(value)}", highlight=False)
+                console.print(f"[dim]{escape(key)}:[/dim] {escape(_short(value))}", highlight=False)
         table = Table(box=None, header_style="bold")
         for column in ("name", "dtype", "shape", "size", "split"):
             table.add_column(column, justify="right" if column == "size" else "left")
         for tensor in ck.values():
-            table.add_row(tensor.name, tensor.dtype, "×".join(map(str, tensor.shape)) or "scalar",
+            table.add_row(escape(tensor.name), tensor.dtype, "×".join(map(str, tensor.shape)) or "scalar",
                           human_bytes(tensor.nbytes), split_description(tensor))
             if chunks:
                 for c in tensor.chunks:
                     table.add_row(f"  [dim]{list(c.offsets)} +{list(c.shape)}[/dim]", "", "", "",
-                                  f"[dim]{c.file} ranks {list(c.ranks)}[/dim]")
+                                  f"[dim]{escape(str(c.file))} ranks {list(c.ranks)}[/dim]")
         console.print(table)
         if ck.objects:
             console.print(f"[bold]{len(ck.objects)} non-tensor entries:[/bold] "
-                          + ", ".join(list(ck.objects)[:20]) + (" ..." if len(ck.objects) > 20 else ""))
+                          + escape(", ".join(list(ck.objects)[:20])) + (" ..." if len(ck.objects) > 20 else ""))
         dtype_table = Table(title="totals by dtype", box=None, header_style="bold")
         for column in ("dtype", "tensors", "params", "size"):
             dtype_table.add_column(column, justify="left" if column == "dtype" else "right")
@@ -116,7 +121,7 @@ def _render_tree(root: ModuleNode, max_depth: int = 6) -> Tree:
 
     def add(parent: Tree, node: ModuleNode, depth: int) -> None:
         for child in node.children.values():
-            label = child.name + (f" ×{child.repeat}" if child.repeat > 1 else "")
+            label = escape(child.name) + (f" ×{child.repeat}" if child.repeat > 1 else "")
             badges = (" [magenta]⧉ sharded[/magenta]" if child.placement_sharded else "") + \
                      (" [blue]⎘ files[/blue]" if child.multi_file else "")
             if child.tensor is not None and not child.children:
@@ -149,9 +154,9 @@ def show(path: str, name: str, slice_text: str, rank: int | None, as_json: bool)
                          "rank": rank, "values": values.astype(np.float64).tolist()
                          if values.dtype.kind not in "biu" else values.tolist()})
             return
-        console.print(f"[bold]{name}[/bold] {tensor.dtype} {list(tensor.shape)}  "
+        console.print(f"[bold]{escape(name)}[/bold] {tensor.dtype} {list(tensor.shape)}  "
                       f"[dim]{split_description(tensor)}[/dim]"
-                      + (f"  rank {rank}" if rank is not None else "") + (f"  [{slice_text}]" if slice_text else ""))
+                      + (f"  rank {rank}" if rank is not None else "") + (f"  {escape(f'[{slice_text}]')}" if slice_text else ""))
         with np.printoptions(threshold=400, edgeitems=4, linewidth=console.width or 120):
             console.print(str(values), highlight=False, markup=False)
 
@@ -176,7 +181,7 @@ def stats(path: str, names: tuple[str, ...], as_json: bool) -> None:
         for column in ("name", "dtype", "min", "max", "mean", "std", "abs max", "zeros", "nan", "inf"):
             table.add_column(column, justify="left" if column in ("name", "dtype") else "right")
         for r in results:
-            table.add_row(r.name, r.dtype, _num(r.min), _num(r.max), _num(r.mean), _num(r.std), _num(r.abs_max),
+            table.add_row(escape(r.name), r.dtype, _num(r.min), _num(r.max), _num(r.mean), _num(r.std), _num(r.abs_max),
                           f"{r.zero_fraction:.2%}", str(r.nans), str(r.infs))
         console.print(table)
 
@@ -210,7 +215,7 @@ def diff_command(a: str, b: str, atol: float, rtol: float, renames: tuple[str, .
                 report = diff(ck_a, ck_b, atol=atol, rtol=rtol, rename=list(renames),
                               progress=lambda n: progress.advance(task, n))
     except CheckpointError as exc:
-        errors.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        _print_error(exc)
         sys.exit(2)
     if as_json:
         _print_json(report.to_dict())
@@ -224,16 +229,16 @@ def diff_command(a: str, b: str, atol: float, rtol: float, renames: tuple[str, .
         for t in rows:
             dtype = t.dtype_a if t.dtype_a == t.dtype_b else f"{t.dtype_a or '—'}→{t.dtype_b or '—'}"
             shape = _shape(t.shape_a) if t.shape_a == t.shape_b else f"{_shape(t.shape_a)}→{_shape(t.shape_b)}"
-            table.add_row(t.name, _STATUS_STYLE.get(t.status, t.status), dtype, shape, _num(t.max_abs),
+            table.add_row(escape(t.name), _STATUS_STYLE.get(t.status, t.status), dtype, shape, _num(t.max_abs),
                           _num(t.max_rel), _num(t.rel_l2), _num(t.cosine),
                           f"{t.mismatches:,} ({t.mismatch_fraction:.2%})" if t.mismatches else "",
                           str(list(t.worst_index)) if t.worst_index is not None else "")
         console.print(table)
     for o in report.objects:
         if o.status != "equal":
-            console.print(f"object [bold]{o.name}[/bold]: {o.status} {o.detail}", highlight=False)
+            console.print(f"object [bold]{escape(o.name)}[/bold]: {o.status} {escape(o.detail)}", highlight=False)
     if report.renames:
-        console.print(f"[dim]rename rules: {', '.join(report.renames)}[/dim]")
+        console.print(f"[dim]rename rules: {escape(', '.join(report.renames))}[/dim]")
     counts = ", ".join(f"{n} {status}" for status, n in report.counts.items())
     verdict = "[green]same[/green]" if report.identical else "[red]different[/red]"
     console.print(f"{verdict}: {len(report.tensors)} tensors compared ({counts}); atol={atol} rtol={rtol}")
@@ -260,19 +265,20 @@ def verify_command(path: str, full: bool, as_json: bool) -> None:
             task = progress.add_task("verify", total=None)
             report = verify(path, full=full, progress=lambda n: progress.advance(task, n))
     except CheckpointError as exc:
-        errors.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        _print_error(exc)
         sys.exit(2)
     if as_json:
         _print_json(report.to_dict())
     else:
         for problem in report.problems:
             where = ": ".join(part for part in (problem.file, problem.tensor and f"tensor {problem.tensor!r}") if part)
-            console.print(f"[red]{problem.kind}[/red] {where}: {problem.message}", highlight=False, soft_wrap=True)
+            console.print(f"[red]{problem.kind}[/red] {escape(where)}: {escape(problem.message)}", highlight=False,
+                          soft_wrap=True)
         detail = f"{report.tensors} tensors, {report.files} files, {report.checksums_checked} checksums"
         if full:
             detail += f", {human_bytes(report.bytes_read)} read"
         verdict = "[green]ok[/green]" if report.ok else f"[red]{len(report.problems)} problem(s)[/red]"
-        console.print(f"{verdict}: {report.path} ({report.format or 'unreadable'}; {detail})")
+        console.print(f"{verdict}: {escape(report.path)} ({report.format or 'unreadable'}; {detail})")
     sys.exit(0 if report.ok else 1)
 
 
@@ -301,10 +307,10 @@ def convert_command(source: str, destination: str, target: str, max_shard_size: 
                      "check": check.to_dict() if check else None})
     else:
         console.print(f"wrote {result.tensors} tensors, {human_bytes(result.bytes_written)} in {len(result.files)} "
-                      f"file(s) to {result.destination}")
+                      f"file(s) to {escape(str(result.destination))}")
         if result.skipped_objects:
             console.print(f"[yellow]not written[/yellow] (safetensors holds tensors only): "
-                          f"{', '.join(result.skipped_objects)}", highlight=False)
+                          f"{escape(', '.join(result.skipped_objects))}", highlight=False)
         if check is not None:
             verdict = "[green]matches the source[/green]" if check.identical else "[red]differs from the source[/red]"
             console.print(f"check: {verdict} ({', '.join(f'{n} {s}' for s, n in check.counts.items())})")

@@ -26,6 +26,9 @@ from .storage import LocalFiles
 DEFAULT_READ_BUDGET = 2 * 1024**3
 """Reads that would materialise more bytes than this raise BudgetExceededError."""
 
+MAX_DIM = 2**62
+"""Dimensions at or above this are rejected as corrupt: no real tensor is that large, and numpy cannot index it."""
+
 
 class ChunkSource(Protocol):
     """Produces a chunk's local data as a numpy array (ideally a lazy memory-mapped view)."""
@@ -137,7 +140,11 @@ class LogicalTensor:
                 tensor=self.name,
                 file=self.files[0] if self.files else None,
             )
-        out = np.empty(plan.out_shape, self.numpy_dtype)
+        try:
+            out = np.empty(plan.out_shape, self.numpy_dtype)
+        except (ValueError, OverflowError, MemoryError) as exc:
+            raise CheckpointError(f"cannot allocate a result of shape {plan.out_shape}: {exc}",
+                                  tensor=self.name) from None
         for chunk in self.chunks:
             selection = plan.intersect(chunk.offsets, chunk.shape)
             if selection is None:
@@ -244,6 +251,8 @@ def validate_tiling(name: str, shape: tuple[int, ...], chunks: list[Chunk], *, f
 
     Raises ChunkLayoutError naming the tensor for chunks out of bounds, overlapping or leaving gaps.
     """
+    if any(not 0 <= n < MAX_DIM for n in shape):
+        raise ChunkLayoutError(f"shape {shape} has a dimension outside [0, 2**62)", file=file, tensor=name)
     unique: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk] = {}
     for chunk in chunks:
         if len(chunk.offsets) != len(shape) or len(chunk.shape) != len(shape):

@@ -35,7 +35,7 @@ class LocalFiles:
             return known
         pure = PurePosixPath(text.replace("\\", "/"))
         who = referrer or str(self.root)
-        if not text or pure.is_absolute() or ".." in pure.parts or text.startswith("~"):
+        if not text or "\x00" in text or pure.is_absolute() or ".." in pure.parts or text.startswith("~"):
             raise UnsafePathError(f"names file {text!r}, which is outside the checkpoint folder", file=who)
         candidate = self.root.joinpath(*pure.parts)
         real = candidate.resolve()

@@ -58,9 +58,10 @@ def detect(path: Path) -> bool:
 
 def _is_index(index: Path) -> bool:
     try:
-        return "weight_map" in json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        content = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
         return False
+    return isinstance(content, dict) and "weight_map" in content
 
 
 def read_index(files: LocalFiles, name: str) -> tuple[dict[str, str], dict[str, Any]]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 from .. import dtypes
-from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray
+from ..core import MAX_DIM, Checkpoint, Chunk, LogicalTensor, MappedArray
 from ..errors import HeaderError, TruncatedFileError
 from ..storage import LocalFiles
 
@@ -65,7 +65,7 @@ def read_header(files: LocalFiles, name: str) -> Header:
         raise TruncatedFileError(f"header length {length} runs past the end of the {size}-byte file", file=path)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: e.g. a 5000-digit integer
         raise HeaderError(f"header is not valid UTF-8 JSON: {exc}", file=path) from None
     if not isinstance(header, dict):
         raise HeaderError(f"header must be a JSON object, found {type(header).__name__}", file=path)
@@ -97,12 +97,12 @@ def _entry(path: str, tensor: str, info: object, data_start: int, data_len: int)
     numel = 1
     if type(shape) is list:
         for d in shape:
-            if type(d) is not int or d < 0:
+            if type(d) is not int or not 0 <= d < MAX_DIM:
                 numel = -1
                 break
             numel *= d
     if type(shape) is not list or numel < 0:
-        raise HeaderError(f"shape must be a list of non-negative integers, found {shape!r}", file=path, tensor=tensor)
+        raise HeaderError(f"shape must be a list of integers in [0, 2**62), found {shape!r}", file=path, tensor=tensor)
     if (type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int
             or type(offsets[1]) is not int or not 0 <= offsets[0] <= offsets[1]):
         raise HeaderError(f"data_offsets must be [begin, end] with 0 <= begin <= end, found {offsets!r}",
