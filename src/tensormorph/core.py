@@ -51,8 +51,47 @@ class MappedArray:
         buffer = self.files.buffer(self.file)
         if math.prod(self.shape) == 0:
             return np.empty(self.shape, self.dtype)
-        byte_strides = None if self.strides is None else tuple(s * self.dtype.itemsize for s in self.strides)
-        return np.ndarray(self.shape, self.dtype, buffer=buffer, offset=self.offset, strides=byte_strides)
+        return np.ndarray(self.shape, self.dtype, buffer=buffer, offset=self.offset, strides=self._byte_strides())
+
+    def advise(self, index: tuple[slice, ...], advice: str) -> None:
+        """Tell the kernel which bytes a read of `index` needs ("willneed") or no longer needs ("dontneed")."""
+        runs = byte_runs(self.offset, self.shape, self._byte_strides(), self.dtype.itemsize, index)
+        self.files.advise(self.file, runs, advice)
+
+    def _byte_strides(self) -> tuple[int, ...] | None:
+        return None if self.strides is None else tuple(s * self.dtype.itemsize for s in self.strides)
+
+
+MAX_ADVISED_RUNS = 4096
+
+
+def byte_runs(offset: int, shape: tuple[int, ...], byte_strides: tuple[int, ...] | None, itemsize: int,
+              index: tuple[slice, ...]) -> list[tuple[int, int]]:
+    """The [begin, end) byte ranges a strided array at `offset` touches for `index` (positive-step slices).
+
+    One range per contiguous row, or one covering span when rows are many or not contiguous.
+    """
+    if byte_strides is None:
+        byte_strides = tuple(itemsize * math.prod(shape[d + 1:]) for d in range(len(shape)))
+    ranges = [range(s.start, s.stop, s.step) for s in index]
+    if any(len(r) == 0 for r in ranges):
+        return []
+    first = offset + sum(r[0] * st for r, st in zip(ranges, byte_strides))
+    last = offset + sum(r[-1] * st for r, st in zip(ranges, byte_strides)) + itemsize
+    if not ranges:
+        return [(first, last)]
+    rows = math.prod(len(r) for r in ranges[:-1])
+    if ranges[-1].step != 1 or byte_strides[-1] != itemsize or rows > MAX_ADVISED_RUNS:
+        return [(first, last)]
+    run = len(ranges[-1]) * itemsize
+    runs: list[tuple[int, int]] = []
+    for lead in itertools.product(*ranges[:-1]):
+        begin = offset + sum(i * st for i, st in zip(lead, byte_strides)) + ranges[-1][0] * byte_strides[-1]
+        if runs and runs[-1][1] == begin:
+            runs[-1] = (runs[-1][0], begin + run)
+        else:
+            runs.append((begin, begin + run))
+    return runs
 
 
 @dataclass(frozen=True)
@@ -150,8 +189,13 @@ class LogicalTensor:
             if selection is None:
                 continue
             source_index, target_index = selection
+            advise = getattr(chunk.source, "advise", None)
             try:
+                if advise is not None:
+                    advise(source_index, "willneed")  # the kernel fetches exactly these bytes, in parallel
                 out[target_index] = chunk.read()[source_index]
+                if advise is not None:
+                    advise(source_index, "dontneed")  # copied: the mapped pages need not count in our memory
             except CheckpointError:
                 raise
             except (ValueError, OSError, TypeError) as exc:
@@ -253,6 +297,8 @@ def validate_tiling(name: str, shape: tuple[int, ...], chunks: list[Chunk], *, f
     """
     if any(not 0 <= n < MAX_DIM for n in shape):
         raise ChunkLayoutError(f"shape {shape} has a dimension outside [0, 2**62)", file=file, tensor=name)
+    if len(chunks) == 1 and chunks[0].shape == shape and not any(chunks[0].offsets):
+        return chunks  # one chunk holding the whole tensor: the common case, checked cheaply
     unique: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk] = {}
     for chunk in chunks:
         if len(chunk.offsets) != len(shape) or len(chunk.shape) != len(shape):

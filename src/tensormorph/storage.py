@@ -100,11 +100,29 @@ class LocalFiles:
                 try:
                     with open(path, "rb") as f:
                         size = os.fstat(f.fileno()).st_size
-                        self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+                        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+                        if mapped is not None:
+                            # no readahead around each fault: region reads then touch only what they need,
+                            # and reads say what they need through advise()
+                            mapped.madvise(mmap.MADV_RANDOM)
+                        self._maps[path] = mapped
                 except FileNotFoundError:
                     raise MissingFileError("file is missing", file=str(path)) from None
             mapped = self._maps[path]
         return memoryview(mapped) if mapped is not None else _EMPTY
+
+    def advise(self, name: str, runs: list[tuple[int, int]], advice: str) -> None:
+        """madvise byte ranges of a mapped file: "willneed" prefetches them, "dontneed" drops them from our RSS."""
+        mapped = self._maps.get(self.resolve(name))
+        if mapped is None or not runs:
+            return
+        flag = {"willneed": mmap.MADV_WILLNEED, "dontneed": mmap.MADV_DONTNEED}[advice]
+        size = len(mapped)
+        for begin, end in runs:
+            start = begin - begin % mmap.PAGESIZE
+            end = min(end, size)
+            if end > start:
+                mapped.madvise(flag, start, end - start)
 
     def close(self) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ lazily on first read so opening stays a metadata-only operation.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ import numpy as np
 import zstandard
 
 from .. import dtypes, safe_pickle, torchzip
-from ..core import Checkpoint, Chunk, LogicalTensor, ObjectEntry, validate_tiling
+from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray, ObjectEntry, validate_tiling
 from ..errors import (CheckpointError, HeaderError, MissingFileError, TruncatedFileError, UnsafePickleError,
                       UnsupportedError)
 from ..storage import LocalFiles
@@ -95,22 +96,39 @@ class DcpItemArray:
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def array(self) -> np.ndarray:
-        buffer = _item_bytes(self.files, self.item, self.name,
-                             limit=int(np.prod(self.shape)) * dtypes.itemsize(self.dtype) + ZIP_OVERHEAD_ALLOWANCE)
-        compressed = bool(self.item.transforms)
-        ref = self._cache.get("ref") if not compressed else None
-        if ref is None:
-            ref = _single_tensor(torchzip.load(buffer, file=self._path, item=self.name), self._path, self.name)
-            if ref.dtype != self.dtype or ref.shape != self.shape:
-                raise HeaderError(f"item holds {ref.dtype}{list(ref.shape)}, but .metadata declares "
-                                  f"{self.dtype}{list(self.shape)}", file=self._path, tensor=self.name)
-            if not compressed:
-                self._cache["ref"] = ref
-        itemsize = dtypes.itemsize(ref.dtype)
-        strides = None if ref.is_contiguous else tuple(s * itemsize for s in ref.stride)
-        if int(np.prod(ref.shape)) == 0:
+        if not self.item.transforms:
+            return self._mapped().array()
+        buffer = self._bytes()  # decompressed: held in memory only for this read
+        ref = self._parse(buffer)
+        if math.prod(ref.shape) == 0:
             return np.empty(ref.shape, dtypes.numpy_dtype(ref.dtype))
+        strides = None if ref.is_contiguous else tuple(s * dtypes.itemsize(ref.dtype) for s in ref.stride)
         return np.ndarray(ref.shape, dtypes.numpy_dtype(ref.dtype), buffer=buffer, offset=ref.offset, strides=strides)
+
+    def advise(self, index: tuple[slice, ...], advice: str) -> None:
+        if not self.item.transforms:
+            self._mapped().advise(index, advice)
+
+    def _mapped(self) -> MappedArray:
+        """The tensor inside an uncompressed item, as an array mapped straight from the data file."""
+        mapped = self._cache.get("mapped")
+        if mapped is None:
+            ref = self._parse(self._bytes())
+            mapped = MappedArray(self.files, self.item.file, self.item.offset + ref.offset,
+                                 dtypes.numpy_dtype(ref.dtype), ref.shape, None if ref.is_contiguous else ref.stride)
+            self._cache["mapped"] = mapped
+        return mapped
+
+    def _bytes(self) -> memoryview:
+        limit = math.prod(self.shape) * dtypes.itemsize(self.dtype) + ZIP_OVERHEAD_ALLOWANCE
+        return _item_bytes(self.files, self.item, self.name, limit=limit)
+
+    def _parse(self, buffer: memoryview) -> torchzip.TensorRef:
+        ref = _single_tensor(torchzip.load(buffer, file=self._path, item=self.name), self._path, self.name)
+        if ref.dtype != self.dtype or ref.shape != self.shape:
+            raise HeaderError(f"item holds {ref.dtype}{list(ref.shape)}, but .metadata declares "
+                              f"{self.dtype}{list(self.shape)}", file=self._path, tensor=self.name)
+        return ref
 
     @cached_property
     def _path(self) -> str:
