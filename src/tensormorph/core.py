@@ -31,7 +31,11 @@ MAX_DIM = 2**62
 
 
 class ChunkSource(Protocol):
-    """Produces a chunk's local data as a numpy array (ideally a lazy memory-mapped view)."""
+    """Produces a chunk's local data as a numpy array (ideally a lazy memory-mapped view).
+
+    A source backed by a memory map may also offer `advise(index, advice)`, which reads use to
+    prefetch exactly the bytes of a region and to release them once copied.
+    """
 
     def array(self) -> np.ndarray: ...
 

@@ -6,14 +6,13 @@ as `layers.0..31 ×32`, so a 32-layer model reads like its code.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..core import LogicalTensor
 
 
-@dataclass
+@dataclass(eq=False)
 class ModuleNode:
     name: str  # this node's own segment ("0..31" for a folded run)
     path: str  # dotted path from the root ("layers.0" for the first of a folded run)
@@ -22,14 +21,10 @@ class ModuleNode:
     repeat: int = 1  # how many identical siblings this node stands for
     params: int = 0  # elements, over all repeats
     nbytes: int = 0
-    dtypes: Counter = field(default_factory=Counter)  # dtype -> bytes
+    dtypes: dict[str, int] = field(default_factory=dict)  # dtype -> bytes
     placement_sharded: bool = False  # some tensor below is split across ranks
     multi_file: bool = False  # tensors below live in more than one file
-
-    def signature(self) -> tuple:
-        """What must match for siblings to fold: relative names, shapes and dtypes."""
-        own = (self.tensor.shape, self.tensor.dtype) if self.tensor is not None else None
-        return own, tuple((k, c.signature()) for k, c in self.children.items())
+    shape_id: int = 0  # equal for subtrees with the same names, shapes and dtypes
 
     def to_dict(self) -> dict:
         return {
@@ -48,31 +43,43 @@ def module_tree(tensors: Iterable[LogicalTensor], *, fold: bool = True) -> Modul
         node = root
         parts = tensor.name.split(".")
         for depth, part in enumerate(parts):
-            path = ".".join(parts[: depth + 1])
-            node = node.children.setdefault(part, ModuleNode(part, path))
+            child = node.children.get(part)
+            if child is None:
+                child = node.children[part] = ModuleNode(part, ".".join(parts[: depth + 1]))
+            node = child
         node.tensor = tensor
-    _totals(root)
+    _summarise(root, {})
     if fold:
         _fold(root)
     return root
 
 
-def _totals(node: ModuleNode) -> None:
+def _summarise(node: ModuleNode, shapes: dict[tuple, int]) -> None:
+    """Totals per node, and an interned id of its structure so that folding compares integers."""
     files: set[str] = set()
+    own = None
     if node.tensor is not None:
         t = node.tensor
         node.params, node.nbytes = t.numel, t.nbytes
-        node.dtypes[t.dtype] += t.nbytes
+        node.dtypes[t.dtype] = t.nbytes
         node.placement_sharded = t.is_placement_sharded
         files.update(t.files)
+        own = (t.shape, t.dtype)
     for child in node.children.values():
-        _totals(child)
-        node.params += child.params
-        node.nbytes += child.nbytes
-        node.dtypes.update(child.dtypes)
-        node.placement_sharded |= child.placement_sharded
-        node.multi_file |= child.multi_file
+        _summarise(child, shapes)
+        _absorb(node, child)
     node.multi_file |= len(files) > 1
+    key = (own, tuple((name, child.shape_id) for name, child in node.children.items()))
+    node.shape_id = shapes.setdefault(key, len(shapes))
+
+
+def _absorb(node: ModuleNode, other: ModuleNode) -> None:
+    node.params += other.params
+    node.nbytes += other.nbytes
+    for dtype, size in other.dtypes.items():
+        node.dtypes[dtype] = node.dtypes.get(dtype, 0) + size
+    node.placement_sharded |= other.placement_sharded
+    node.multi_file |= other.multi_file
 
 
 def _fold(node: ModuleNode) -> None:
@@ -83,27 +90,21 @@ def _fold(node: ModuleNode) -> None:
 
     def flush() -> None:
         if len(run) > 1:
-            first, last = run[0], run[-1]
-            first.name = f"{first.name}..{last.name}"
+            first = run[0]
+            first.name = f"{first.name}..{run[-1].name}"
             first.repeat = len(run)
             for other in run[1:]:
-                first.params += other.params
-                first.nbytes += other.nbytes
-                first.dtypes.update(other.dtypes)
-                first.placement_sharded |= other.placement_sharded
-                first.multi_file |= other.multi_file
-            folded[first.name] = first
-        elif run:
+                _absorb(first, other)
+        if run:
             folded[run[0].name] = run[0]
         run.clear()
 
     for key, child in node.children.items():
-        if key.isdigit() and child.repeat == 1 and run and int(key) == int(run[-1].name) + 1 \
-                and child.signature() == run[0].signature():
+        if key.isdigit() and run and int(key) == int(run[-1].name) + 1 and child.shape_id == run[0].shape_id:
             run.append(child)
             continue
         flush()
-        if key.isdigit() and child.repeat == 1:
+        if key.isdigit():
             run.append(child)
         else:
             folded[key] = child
