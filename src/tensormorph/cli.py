@@ -100,7 +100,7 @@ def inspect(path: str, format_: str | None, chunks: bool, no_tree: bool, as_json
         totals = [("dtype", "tensors", "params", "size")]
         totals.extend((dtype, str(t["tensors"]), f"{t['params']:,}", human_bytes(t["nbytes"]))
                       for dtype, t in totals_by_dtype(ck).items())
-        click.echo("\n" + _columns(totals, right={1, 2, 3}))
+        click.echo("\ntotals by dtype\n" + _columns(totals, right={1, 2, 3}))
         if not no_tree:
             console.print(_render_tree(module_tree(ck.values())))
 
