@@ -10,11 +10,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# constraints.txt pins torch==2.13.0, the CPU wheel available offline on this machine kind.
-	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev,torch]"
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev,torch,web,browser-tests]"
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/demo.py
+	$(BIN)/python examples/demo.py $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

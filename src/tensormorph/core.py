@@ -212,10 +212,19 @@ class LogicalTensor:
         return self.read(Ellipsis, budget=None if not force else max(self.nbytes, 1))
 
     def local(self, rank: int) -> np.ndarray:
-        """The data that one rank holds (the chunk that rank wrote)."""
+        """The data that one rank holds (the chunk that rank wrote), as a read-only mapped view."""
+        return self._held_by(rank).read()
+
+    def local_tensor(self, rank: int) -> LogicalTensor:
+        """What one rank holds, as a tensor of its own (shape = that chunk's shape), for lazy region reads."""
+        chunk = self._held_by(rank)
+        return replace(self, name=f"{self.name}@rank{rank}", shape=chunk.shape,
+                       chunks=(replace(chunk, offsets=(0,) * len(chunk.shape)),), placement=None)
+
+    def _held_by(self, rank: int) -> Chunk:
         held = [c for c in self.chunks if rank in c.ranks]
         if len(held) == 1:
-            return held[0].read()
+            return held[0]
         writers = sorted({r for c in self.chunks for r in c.ranks})
         if not held:
             detail = f"chunks were written by ranks {writers}" if writers else "this format records no ranks"

@@ -1,0 +1,229 @@
+"""Level-of-detail tiles: a region of a tensor's 2-D view drawn into a bounded number of pixels.
+
+A tile covers rows [r0, r1) and columns [c0, c1) of a view and has at most
+h × w pixels; each pixel stands for a block of sy × sx elements. An
+approximate tile samples the first element of each block (a strided read,
+fast whatever the tensor's size); an exact tile aggregates every element of
+each block (mean, min, max, abs-max), streaming the region in bands of
+bounded size. The encoding is compact binary: the page colours it itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..core import LogicalTensor
+from ..errors import CheckpointError
+
+DEFAULT_BAND_BYTES = 32 * 1024**2
+MAX_PIXELS = 4096 * 4096
+AGGREGATES = ("mean", "min", "max", "absmax")
+
+
+@dataclass(frozen=True)
+class View:
+    """A 2-D view of a tensor: two axes chosen, every other axis fixed at an index."""
+
+    tensor: LogicalTensor
+    axes: tuple[int, int] | None = None  # (row axis, column axis); None for tensors of rank < 2
+    fixed: tuple[int, ...] = ()  # indices of the other axes, in order
+
+    @staticmethod
+    def of(tensor: LogicalTensor, axes: tuple[int, int] | None = None, fixed: tuple[int, ...] = ()) -> View:
+        """A validated view; by default the last two axes, the others fixed at 0."""
+        ndim = tensor.ndim
+        if ndim < 2:
+            if axes is not None or fixed:
+                raise CheckpointError(f"a tensor of rank {ndim} has no axes to choose", tensor=tensor.name)
+            return View(tensor)
+        axes = axes if axes is not None else (ndim - 2, ndim - 1)
+        if len(set(axes)) != 2 or not all(0 <= a < ndim for a in axes):
+            raise CheckpointError(f"axes {list(axes)} must be two different axes of a rank-{ndim} tensor",
+                                  tensor=tensor.name)
+        others = [d for d in range(ndim) if d not in axes]
+        fixed = tuple(fixed) if fixed else (0,) * len(others)
+        if len(fixed) != len(others) or not all(0 <= i < tensor.shape[d] for i, d in zip(fixed, others)):
+            raise CheckpointError(f"fixed indices {list(fixed)} must give one in-range index for each of the "
+                                  f"axes {others} (sizes {[tensor.shape[d] for d in others]})", tensor=tensor.name)
+        return View(tensor, axes, fixed)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        if self.axes is None:
+            return (1, self.tensor.shape[0] if self.tensor.ndim == 1 else 1)
+        return self.tensor.shape[self.axes[0]], self.tensor.shape[self.axes[1]]
+
+    def read(self, rows: slice, cols: slice) -> np.ndarray:
+        """The 2-D block rows × cols (slices with positive steps) of the view."""
+        t = self.tensor
+        if self.axes is None:
+            if t.ndim == 0:
+                return t.read(()).reshape(1, 1)[rows, cols]
+            return t.read((cols,), budget=_unbounded(t)).reshape(1, -1)[rows]
+        index: list[Any] = []
+        others = iter(self.fixed)
+        for d in range(t.ndim):
+            index.append(rows if d == self.axes[0] else cols if d == self.axes[1] else next(others))
+        block = t.read(tuple(index), budget=_unbounded(t))
+        return block if self.axes[0] < self.axes[1] else block.T
+
+
+def _unbounded(tensor: LogicalTensor) -> int:
+    # tiles bound their own memory by reading in bands; the read budget guards whole-tensor reads
+    return max(tensor.read_budget, DEFAULT_BAND_BYTES * 4)
+
+
+@dataclass
+class Tile:
+    name: str
+    view_shape: tuple[int, int]
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    step: tuple[int, int]
+    approximate: bool
+    fields: dict[str, np.ndarray] = field(default_factory=dict)  # each float32, shape (rows, cols) in pixels
+    nan: int = 0
+    inf: int = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return next(iter(self.fields.values())).shape
+
+    def header(self) -> dict[str, Any]:
+        finite = [v[np.isfinite(v)] for v in self.fields.values()]
+        finite = [v for v in finite if v.size]
+        return {
+            "name": self.name, "view_shape": list(self.view_shape), "rows": list(self.rows), "cols": list(self.cols),
+            "step": list(self.step), "shape": list(self.shape), "approximate": self.approximate,
+            "fields": list(self.fields), "nan": self.nan, "inf": self.inf,
+            "min": float(min(v.min() for v in finite)) if finite else None,
+            "max": float(max(v.max() for v in finite)) if finite else None,
+        }
+
+    def encode(self) -> bytes:
+        """u32 LE header length, JSON header, then each field as float32 LE, row-major."""
+        head = json.dumps(self.header()).encode()
+        body = b"".join(np.ascontiguousarray(v, dtype="<f4").tobytes() for v in self.fields.values())
+        return struct.pack("<I", len(head)) + head + body
+
+
+def steps(r0: int, r1: int, c0: int, c1: int, h: int, w: int) -> tuple[int, int]:
+    return max(1, math.ceil((r1 - r0) / h)), max(1, math.ceil((c1 - c0) / w))
+
+
+def tile(view: View, r0: int, r1: int, c0: int, c1: int, h: int, w: int, *, exact: bool = False,
+         band_bytes: int = DEFAULT_BAND_BYTES, reader: Callable[[slice, slice], np.ndarray] | None = None) -> Tile:
+    """The tile of `view` over rows [r0, r1) × columns [c0, c1) in at most h × w pixels.
+
+    `reader` replaces view.read (the diff view reads a − b through it).
+    """
+    H, W = view.shape
+    name = view.tensor.name
+    if not (0 <= r0 < r1 <= H and 0 <= c0 < c1 <= W):
+        raise CheckpointError(f"region rows [{r0}, {r1}) × columns [{c0}, {c1}) is empty or outside the "
+                              f"{H} × {W} view", tensor=name)
+    if not (1 <= h and 1 <= w and h * w <= MAX_PIXELS):
+        raise CheckpointError(f"a tile of {h} × {w} pixels is outside [1, {MAX_PIXELS}] pixels", tensor=name)
+    read = reader or view.read
+    sy, sx = steps(r0, r1, c0, c1, h, w)
+    result = Tile(name, (H, W), (r0, r1), (c0, c1), (sy, sx), approximate=not exact and (sy, sx) != (1, 1))
+    if (sy, sx) == (1, 1) or not exact:
+        values = _as_float(read(slice(r0, r1, sy), slice(c0, c1, sx)))
+        result.fields["value"] = values.astype(np.float32)
+        result.nan, result.inf = _nonfinite(values)
+        return result
+    _aggregate(result, read, band_bytes)
+    return result
+
+
+def _aggregate(result: Tile, read: Callable[[slice, slice], np.ndarray], band_bytes: int) -> None:
+    """Exact block aggregates, reading bands of whole block rows and block columns under band_bytes."""
+    (r0, r1), (c0, c1), (sy, sx) = result.rows, result.cols, result.step
+    out_rows, out_cols = math.ceil((r1 - r0) / sy), math.ceil((c1 - c0) / sx)
+    sums = np.zeros((out_rows, out_cols), np.float64)
+    counts = np.zeros((out_rows, out_cols), np.int64)
+    low = np.full((out_rows, out_cols), np.nan, np.float64)
+    high = np.full((out_rows, out_cols), np.nan, np.float64)
+    peak = np.full((out_rows, out_cols), np.nan, np.float64)
+    elements = max(1, band_bytes // 8)
+    block_cols = max(1, min(out_cols, elements // (sy * sx)))
+    block_rows = max(1, elements // (block_cols * sy * sx))
+    for i in range(0, out_rows, block_rows):
+        for j in range(0, out_cols, block_cols):
+            rs = slice(r0 + i * sy, min(r1, r0 + (i + block_rows) * sy))
+            cs = slice(c0 + j * sx, min(c1, c0 + (j + block_cols) * sx))
+            band = _as_float(read(rs, cs))
+            nan, inf = _nonfinite(band)
+            result.nan += nan
+            result.inf += inf
+            row_starts = np.arange(0, band.shape[0], sy)
+            col_starts = np.arange(0, band.shape[1], sx)
+            target = (slice(i, i + len(row_starts)), slice(j, j + len(col_starts)))
+            valid = ~np.isnan(band)
+            filled = np.where(valid, band, 0.0) if nan else band
+            sums[target] = _reduce(np.add, filled, row_starts, col_starts)
+            counts[target] = _reduce(np.add, valid.astype(np.int64), row_starts, col_starts)
+            low[target] = _reduce(np.fmin, band, row_starts, col_starts)
+            high[target] = _reduce(np.fmax, band, row_starts, col_starts)
+            peak[target] = _reduce(np.fmax, np.abs(band), row_starts, col_starts)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+    for key, values in zip(AGGREGATES, (mean, low, high, peak)):
+        result.fields[key] = values.astype(np.float32)
+
+
+def _reduce(op: np.ufunc, values: np.ndarray, row_starts: np.ndarray, col_starts: np.ndarray) -> np.ndarray:
+    """Reduce each block (rows between row_starts, columns between col_starts) with a ufunc."""
+    return op.reduceat(op.reduceat(values, row_starts, axis=0), col_starts, axis=1)
+
+
+def _as_float(values: np.ndarray) -> np.ndarray:
+    if values.dtype == np.float64:
+        return values
+    if values.dtype == np.bool_:
+        return values.astype(np.float64)
+    if np.issubdtype(values.dtype, np.complexfloating):
+        return np.abs(values).astype(np.float64)  # complex tensors are drawn by magnitude
+    return values.astype(np.float64)
+
+
+def _nonfinite(values: np.ndarray) -> tuple[int, int]:
+    if np.isfinite(values).all():
+        return 0, 0
+    nan = int(np.isnan(values).sum())
+    return nan, int((~np.isfinite(values)).sum()) - nan
+
+
+def histogram(tensor: LogicalTensor, low: float, high: float, *, bins: int = 64, log: bool = False,
+              band_bytes: int = DEFAULT_BAND_BYTES) -> dict[str, list[float]]:
+    """Counts of the finite values in `bins` bins over [low, high], streamed chunk by chunk.
+
+    With log=True the bins are log-spaced over |x| (zeros fall in the first bin).
+    """
+    from .stats import blocks
+
+    if log:
+        top = max(abs(low), abs(high))
+        floor = top * 1e-8 if top > 0 else 1e-12
+        edges = np.geomspace(floor, max(top, floor * 10), bins + 1)
+    else:
+        edges = np.linspace(low, high if high > low else low + 1.0, bins + 1)
+    counts = np.zeros(bins, np.int64)
+    for chunk in tensor.chunks:
+        if chunk.numel == 0:
+            continue
+        for block in blocks(chunk.read(), max(1, band_bytes // 8)):
+            values = _as_float(block)
+            values = values[np.isfinite(values)]
+            if log:
+                values = np.clip(np.abs(values), edges[0], edges[-1])
+            counts += np.histogram(values, bins=edges)[0]
+    return {"edges": edges.tolist(), "counts": counts.tolist()}
+

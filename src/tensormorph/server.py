@@ -1,0 +1,387 @@
+"""The viewer's HTTP server: a thin Starlette app over the library (see docs/viewer-api.md).
+
+Only the checkpoints named at start are served; request parameters select
+tensors and regions, never paths. Heavy work runs in worker threads, with a
+semaphore bounding how many exact tiles are computed at once (memory stays
+bounded under many simultaneous requests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from . import open as open_checkpoint
+from .core import Checkpoint, LogicalTensor
+from .errors import CheckpointError, TensorNotFoundError
+from .ops.diff import DiffReport, aligned_names, diff, parse_rename
+from .ops.stats import tensor_stats
+from .ops.summary import describe, tensor_record
+from .ops.tiles import View, histogram, tile
+
+WEB = Path(__file__).resolve().parent / "web"
+ESTIMATED_READ_RATE = 1e9  # bytes/s, for the cost shown before a full read
+CONFIG_KEYS = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
+               "num_key_value_heads", "intermediate_size", "vocab_size", "torch_dtype")
+MEMORY_CACHE_TILES = 512
+EXACT_TILES_AT_ONCE = 4
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, **extra: Any):
+        super().__init__(message)
+        self.status, self.extra = status, extra
+
+
+class Viewer:
+    """The state behind the API: the opened checkpoints, the diff report and the tile caches."""
+
+    def __init__(self, paths: list[Path], *, rename: list[str] | None = None, cache_dir: Path | None = None):
+        self.checkpoints: dict[str, Checkpoint] = {cid: open_checkpoint(p) for cid, p in zip("ab", paths)}
+        self.rename = list(rename or [])
+        self.cache_dir = cache_dir
+        self._diff: dict[tuple[float, float], DiffReport] = {}
+        self._tiles: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+        self._exact = threading.Semaphore(EXACT_TILES_AT_ONCE)
+
+    def checkpoint(self, cid: str) -> Checkpoint:
+        if cid not in self.checkpoints:
+            raise ApiError(404, f"no checkpoint {cid!r}; this viewer serves {sorted(self.checkpoints)}")
+        return self.checkpoints[cid]
+
+    def tensor(self, ck: Checkpoint, name: str | None) -> LogicalTensor:
+        if not name:
+            raise ApiError(400, "parameter 'name' is required")
+        try:
+            return ck[name]
+        except TensorNotFoundError as exc:
+            raise ApiError(404, str(exc)) from None
+
+    def config(self, ck: Checkpoint) -> dict[str, Any] | None:
+        folder = ck.path if ck.path.is_dir() else ck.path.parent
+        candidate = folder / "config.json"
+        if not candidate.is_file() or candidate.stat().st_size > 1_000_000:
+            return None
+        try:
+            config = json.loads(candidate.read_text())
+        except (OSError, ValueError):
+            return None
+        return {k: config[k] for k in CONFIG_KEYS if k in config} if isinstance(config, dict) else None
+
+    def diff_report(self, atol: float, rtol: float) -> DiffReport:
+        if "b" not in self.checkpoints:
+            raise ApiError(404, "diff needs two checkpoints: start the viewer with two paths")
+        key = (atol, rtol)
+        with self._lock:
+            if key not in self._diff:
+                self._diff[key] = diff(self.checkpoints["a"], self.checkpoints["b"], atol=atol, rtol=rtol,
+                                       rename=self.rename)
+            return self._diff[key]
+
+    def cached_tile(self, key_parts: list[Any], sources: list[tuple[Checkpoint, LogicalTensor]],
+                    compute: Callable[[], bytes]) -> bytes:
+        """Exact tiles: memory LRU, then the disk cache keyed by the files' identity, then compute."""
+        identity = [key_parts] + [[t.name, [_file_identity(ck, f) for f in t.files]] for ck, t in sources]
+        key = hashlib.sha256(json.dumps(identity, default=str).encode()).hexdigest()
+        with self._lock:
+            if key in self._tiles:
+                self._tiles.move_to_end(key)
+                return self._tiles[key]
+        disk = self.cache_dir / key[:2] / key if self.cache_dir else None
+        if disk is not None and disk.is_file():
+            data = disk.read_bytes()
+        else:
+            with self._exact:
+                data = compute()
+            if disk is not None:
+                disk.parent.mkdir(parents=True, exist_ok=True)
+                temporary = disk.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+                temporary.write_bytes(data)
+                os.replace(temporary, disk)
+        with self._lock:
+            self._tiles[key] = data
+            while len(self._tiles) > MEMORY_CACHE_TILES:
+                self._tiles.popitem(last=False)
+        return data
+
+    def close(self) -> None:
+        for ck in self.checkpoints.values():
+            ck.close()
+
+
+def _file_identity(ck: Checkpoint, file: str) -> list[Any]:
+    path = ck.storage.resolve(file) if ck.storage else Path(file)
+    stat = path.stat()
+    return [str(path), stat.st_size, stat.st_mtime_ns]
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tensormorph" / "tiles"
+
+
+# ---------------------------------------------------------------- request parsing
+
+def _int(request: Request, name: str, default: int | None = None) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        if default is None:
+            raise ApiError(400, f"parameter {name!r} is required")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ApiError(400, f"parameter {name!r} must be an integer, got {raw!r}") from None
+
+
+def _float(request: Request, name: str, default: float) -> float:
+    raw = request.query_params.get(name)
+    try:
+        return default if raw is None else float(raw)
+    except ValueError:
+        raise ApiError(400, f"parameter {name!r} must be a number, got {raw!r}") from None
+
+
+def _ints(request: Request, name: str) -> tuple[int, ...] | None:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return tuple(int(part) for part in raw.split(","))
+    except ValueError:
+        raise ApiError(400, f"parameter {name!r} must be comma-separated integers, got {raw!r}") from None
+
+
+def _flag(request: Request, name: str) -> bool:
+    return request.query_params.get(name, "0") in ("1", "true", "yes")
+
+
+def _viewed(viewer: Viewer, tensor: LogicalTensor, request: Request) -> LogicalTensor:
+    rank = request.query_params.get("rank")
+    if rank in (None, ""):
+        return tensor
+    try:
+        return tensor.local_tensor(_int(request, "rank"))
+    except CheckpointError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+def _region(request: Request, view: View) -> tuple[int, int, int, int, int, int]:
+    height, width = view.shape
+    return (_int(request, "r0", 0), _int(request, "r1", height), _int(request, "c0", 0), _int(request, "c1", width),
+            _int(request, "h", 256), _int(request, "w", 256))
+
+
+def _view(tensor: LogicalTensor, request: Request) -> View:
+    axes = _ints(request, "axes")
+    if axes is not None and len(axes) != 2:
+        raise ApiError(400, "parameter 'axes' takes two axes: ROW,COL")
+    try:
+        return View.of(tensor, axes, _ints(request, "fixed") or ())
+    except CheckpointError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+# ---------------------------------------------------------------- endpoints
+
+def list_checkpoints(request: Request) -> JSONResponse:
+    """The checkpoints this viewer serves."""
+    viewer: Viewer = request.app.state.viewer
+    return JSONResponse([
+        {"id": cid, "path": str(ck.path), "format": ck.format, "tensor_count": len(ck),
+         "params": sum(t.numel for t in ck.values()), "nbytes": ck.nbytes, "files": len(ck.files)}
+        for cid, ck in viewer.checkpoints.items()])
+
+
+def summary(request: Request) -> JSONResponse:
+    """Tensors, totals by dtype, the folded module tree and Hugging Face config facts."""
+    viewer: Viewer = request.app.state.viewer
+    ck = viewer.checkpoint(request.path_params["cid"])
+    return JSONResponse({**describe(ck, chunks=False), "config": viewer.config(ck)})
+
+
+def tensor_info(request: Request) -> JSONResponse:
+    """One tensor: dtype, shape, chunks, ranks, full-read cost and default view."""
+    viewer: Viewer = request.app.state.viewer
+    tensor = viewer.tensor(viewer.checkpoint(request.path_params["cid"]), request.query_params.get("name"))
+    view = View.of(tensor)
+    return JSONResponse({
+        **tensor_record(tensor), "ranks": sorted({r for c in tensor.chunks for r in c.ranks}),
+        "read_budget": tensor.read_budget,
+        "full_cost": {"bytes": tensor.nbytes, "seconds": tensor.nbytes / ESTIMATED_READ_RATE},
+        "view": {"axes": list(view.axes) if view.axes else None, "shape": list(view.shape)},
+    })
+
+
+def stats(request: Request) -> JSONResponse:
+    """Statistics and a histogram; above the read budget only with confirm=1."""
+    viewer: Viewer = request.app.state.viewer
+    tensor = _viewed(viewer, viewer.tensor(viewer.checkpoint(request.path_params["cid"]),
+                                           request.query_params.get("name")), request)
+    if tensor.nbytes > tensor.read_budget and not _flag(request, "confirm"):
+        raise ApiError(409, f"reading {tensor.nbytes} bytes exceeds the read budget; confirm to go on",
+                       bytes=tensor.nbytes, seconds=tensor.nbytes / ESTIMATED_READ_RATE)
+    bins = _int(request, "bins", 64)
+    if not 1 <= bins <= 4096:
+        raise ApiError(400, "parameter 'bins' must be in [1, 4096]")
+    result = tensor_stats(tensor)
+    low, high = result.min, result.max
+    hist = histogram(tensor, low, high, bins=bins, log=_flag(request, "log")) if low is not None else None
+    return JSONResponse({**result.to_dict(), "histogram": hist})
+
+
+def tile_endpoint(request: Request) -> Response:
+    """A binary tile of one tensor's view (see docs/viewer-api.md)."""
+    viewer: Viewer = request.app.state.viewer
+    ck = viewer.checkpoint(request.path_params["cid"])
+    tensor = _viewed(viewer, viewer.tensor(ck, request.query_params.get("name")), request)
+    view = _view(tensor, request)
+    region = _region(request, view)
+    exact = _flag(request, "exact")
+
+    def compute() -> bytes:
+        return tile(view, *region, exact=exact).encode()
+
+    if not exact:
+        return _binary(compute())
+    key = ["tile", view.axes, view.fixed, region]
+    return _binary(viewer.cached_tile(key, [(ck, tensor)], compute))
+
+
+def diff_endpoint(request: Request) -> JSONResponse:
+    """The diff report of the two checkpoints."""
+    viewer: Viewer = request.app.state.viewer
+    report = viewer.diff_report(_float(request, "atol", 0.0), _float(request, "rtol", 0.0))
+    return JSONResponse(json.loads(json.dumps(report.to_dict(), default=_json_default)))
+
+
+def diff_tile(request: Request) -> Response:
+    """A binary tile of a − b (kind=diff) or |a − b| (kind=absdiff) for one aligned tensor name."""
+    viewer: Viewer = request.app.state.viewer
+    a_ck, b_ck = viewer.checkpoint("a"), viewer.checkpoint("b")
+    name = request.query_params.get("name")
+    rules = [parse_rename(r) for r in viewer.rename]
+    a_names, b_names = aligned_names(list(a_ck), rules, "a"), aligned_names(list(b_ck), rules, "b")
+    if not name or name not in a_names or name not in b_names:
+        raise ApiError(404, f"tensor {name!r} is not in both checkpoints")
+    a, b = a_ck[a_names[name]], b_ck[b_names[name]]
+    if a.shape != b.shape:
+        raise ApiError(400, f"shapes differ: {list(a.shape)} vs {list(b.shape)}")
+    kind = request.query_params.get("kind", "diff")
+    if kind not in ("diff", "absdiff"):
+        raise ApiError(400, "parameter 'kind' must be 'diff' or 'absdiff'")
+    view_a, view_b = _view(a, request), _view(b, request)
+    region = _region(request, view_a)
+    exact = _flag(request, "exact")
+
+    def difference(rows: slice, cols: slice) -> np.ndarray:
+        delta = view_a.read(rows, cols).astype(np.float64) - view_b.read(rows, cols).astype(np.float64)
+        return np.abs(delta) if kind == "absdiff" else delta
+
+    def compute() -> bytes:
+        return tile(view_a, *region, exact=exact, reader=difference).encode()
+
+    if not exact:
+        return _binary(compute())
+    return _binary(viewer.cached_tile(["diff", kind, view_a.axes, view_a.fixed, region], [(a_ck, a), (b_ck, b)],
+                                      compute))
+
+
+def openapi(request: Request) -> JSONResponse:
+    return JSONResponse(OPENAPI)
+
+
+def _binary(data: bytes) -> Response:
+    return Response(data, media_type="application/octet-stream")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return None
+    return repr(value)
+
+
+def _operation(summary: str, parameters: list[str], binary: bool = False) -> dict[str, Any]:
+    content = {"application/octet-stream": {}} if binary else {"application/json": {}}
+    return {"get": {"summary": summary, "responses": {"200": {"description": "OK", "content": content}},
+                    "parameters": [{"name": p, "in": "query", "schema": {"type": "string"}} for p in parameters]}}
+
+
+_REGION = ["name", "r0", "r1", "c0", "c1", "h", "w", "axes", "fixed", "exact"]
+OPENAPI: dict[str, Any] = {
+    "openapi": "3.0.0",
+    "info": {"title": "Tensormorph viewer", "version": "1", "description": "See docs/viewer-api.md."},
+    "paths": {
+        "/api/checkpoints": _operation(list_checkpoints.__doc__ or "", []),
+        "/api/checkpoints/{cid}/summary": _operation(summary.__doc__ or "", []),
+        "/api/checkpoints/{cid}/tensor": _operation(tensor_info.__doc__ or "", ["name"]),
+        "/api/checkpoints/{cid}/stats": _operation(stats.__doc__ or "", ["name", "rank", "confirm", "bins", "log"]),
+        "/api/checkpoints/{cid}/tile": _operation(tile_endpoint.__doc__ or "", _REGION + ["rank"], binary=True),
+        "/api/diff": _operation(diff_endpoint.__doc__ or "", ["atol", "rtol"]),
+        "/api/diff/tile": _operation(diff_tile.__doc__ or "", _REGION + ["kind"], binary=True),
+    },
+}
+
+
+class _TokenAndErrors(BaseHTTPMiddleware):
+    """The token check for non-loopback hosts, and ApiError/CheckpointError as JSON answers."""
+
+    async def dispatch(self, request: Request, call_next: Callable) -> Response:
+        token = request.app.state.token
+        if token and request.url.path.startswith("/api/"):
+            given = request.query_params.get("token") or request.headers.get("x-tensormorph-token")
+            if not given or not secrets.compare_digest(given, token):
+                return JSONResponse({"error": "missing or wrong token"}, status_code=401)
+        return await call_next(request)
+
+
+def _api_error(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, ApiError):
+        return JSONResponse({"error": str(exc), **exc.extra}, status_code=exc.status)
+    return JSONResponse({"error": str(exc)}, status_code=400)
+
+
+def create_app(paths: list[str | Path], *, token: str | None = None, rename: list[str] | None = None,
+               cache_dir: Path | None = None) -> Starlette:
+    """The viewer app for one or two checkpoints. `token`, when set, is required on every /api request."""
+    viewer = Viewer([Path(p) for p in paths], rename=rename, cache_dir=cache_dir)
+    routes = [
+        Route("/api/openapi.json", openapi),
+        Route("/api/checkpoints", list_checkpoints),
+        Route("/api/checkpoints/{cid}/summary", summary),
+        Route("/api/checkpoints/{cid}/tensor", tensor_info),
+        Route("/api/checkpoints/{cid}/stats", stats),
+        Route("/api/checkpoints/{cid}/tile", tile_endpoint),
+        Route("/api/diff", diff_endpoint),
+        Route("/api/diff/tile", diff_tile),
+        Mount("/", StaticFiles(directory=WEB, html=True), name="page"),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        viewer.close()
+
+    app = Starlette(routes=routes, middleware=[Middleware(_TokenAndErrors)],
+                    exception_handlers={ApiError: _api_error, CheckpointError: _api_error}, lifespan=lifespan)
+    app.state.viewer = viewer
+    app.state.token = token
+    return app
