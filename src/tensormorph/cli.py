@@ -19,7 +19,7 @@ from rich.tree import Tree
 from . import open as open_checkpoint
 from .core import human_bytes, parse_index
 from .errors import CheckpointError
-from .ops.convert import convert
+from .ops.convert import convert, parse_size
 from .ops.diff import diff
 from .ops.stats import checkpoint_stats
 from .ops.summary import describe, split_description, totals_by_dtype
@@ -333,9 +333,12 @@ def convert_command(source: str, destination: str, target: str, max_shard_size: 
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on.")
 @click.option("--port", type=int, default=0, help="Port (default: a free one).")
 @click.option("--rename", "renames", multiple=True, help="Align names for the diff view, as for diff.")
+@click.option("--read-budget", default="2GiB", show_default=True,
+              help="Full reads above this ask for confirmation in the page.")
 @click.option("--no-browser", is_flag=True, help="Only print the URL (for servers).")
 @_fails_cleanly
-def view_command(paths: tuple[str, ...], host: str, port: int, renames: tuple[str, ...], no_browser: bool) -> None:
+def view_command(paths: tuple[str, ...], host: str, port: int, renames: tuple[str, ...], read_budget: str,
+                 no_browser: bool) -> None:
     """Open one checkpoint (or two, to diff them) in the browser viewer."""
     import secrets
     import socket
@@ -353,7 +356,8 @@ def view_command(paths: tuple[str, ...], host: str, port: int, renames: tuple[st
         with socket.socket() as probe:
             probe.bind((host, 0))
             port = probe.getsockname()[1]
-    app = create_app(list(paths), token=token, rename=list(renames), cache_dir=default_cache_dir())
+    app = create_app(list(paths), token=token, rename=list(renames), cache_dir=default_cache_dir(),
+                     read_budget=parse_size(read_budget))
     url = f"http://{'127.0.0.1' if loopback else host}:{port}/" + (f"?token={token}" if token else "")
     console.print(f"Tensormorph viewer on [bold]{url}[/bold]  (Ctrl+C to stop)")
     if not no_browser:

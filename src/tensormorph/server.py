@@ -29,7 +29,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from . import open as open_checkpoint
-from .core import Checkpoint, LogicalTensor
+from .core import DEFAULT_READ_BUDGET, Checkpoint, LogicalTensor
 from .errors import CheckpointError, TensorNotFoundError
 from .ops.diff import DiffReport, aligned_names, diff, parse_rename
 from .ops.stats import tensor_stats
@@ -53,8 +53,10 @@ class ApiError(Exception):
 class Viewer:
     """The state behind the API: the opened checkpoints, the diff report and the tile caches."""
 
-    def __init__(self, paths: list[Path], *, rename: list[str] | None = None, cache_dir: Path | None = None):
-        self.checkpoints: dict[str, Checkpoint] = {cid: open_checkpoint(p) for cid, p in zip("ab", paths)}
+    def __init__(self, paths: list[Path], *, rename: list[str] | None = None, cache_dir: Path | None = None,
+                 read_budget: int = DEFAULT_READ_BUDGET):
+        self.checkpoints: dict[str, Checkpoint] = {
+            cid: open_checkpoint(p, read_budget=read_budget) for cid, p in zip("ab", paths)}
         self.rename = list(rename or [])
         self.cache_dir = cache_dir
         self._diff: dict[tuple[float, float], DiffReport] = {}
@@ -360,9 +362,10 @@ def _api_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def create_app(paths: list[str | Path], *, token: str | None = None, rename: list[str] | None = None,
-               cache_dir: Path | None = None) -> Starlette:
-    """The viewer app for one or two checkpoints. `token`, when set, is required on every /api request."""
-    viewer = Viewer([Path(p) for p in paths], rename=rename, cache_dir=cache_dir)
+               cache_dir: Path | None = None, read_budget: int = DEFAULT_READ_BUDGET) -> Starlette:
+    """The viewer app for one or two checkpoints. `token`, when set, is required on every /api request;
+    statistics of a tensor above `read_budget` bytes need confirm=1; exact tiles are cached in `cache_dir`."""
+    viewer = Viewer([Path(p) for p in paths], rename=rename, cache_dir=cache_dir, read_budget=read_budget)
     routes = [
         Route("/api/openapi.json", openapi),
         Route("/api/checkpoints", list_checkpoints),
