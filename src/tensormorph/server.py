@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import secrets
 import threading
@@ -247,7 +248,7 @@ def stats(request: Request) -> JSONResponse:
     result = tensor_stats(tensor)
     low, high = result.min, result.max
     hist = histogram(tensor, low, high, bins=bins, log=_flag(request, "log")) if low is not None else None
-    return JSONResponse({**result.to_dict(), "histogram": hist})
+    return JSONResponse(_finite({**result.to_dict(), "histogram": hist}))
 
 
 def tile_endpoint(request: Request) -> Response:
@@ -272,7 +273,7 @@ def diff_endpoint(request: Request) -> JSONResponse:
     """The diff report of the two checkpoints."""
     viewer: Viewer = request.app.state.viewer
     report = viewer.diff_report(_float(request, "atol", 0.0), _float(request, "rtol", 0.0))
-    return JSONResponse(json.loads(json.dumps(report.to_dict(), default=_json_default)))
+    return JSONResponse(_finite(report.to_dict()))
 
 
 def diff_tile(request: Request) -> Response:
@@ -315,10 +316,15 @@ def _binary(data: bytes) -> Response:
     return Response(data, media_type="application/octet-stream")
 
 
-def _json_default(value: Any) -> Any:
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return None
-    return repr(value)
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: they become null (the page shows them as such)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _operation(summary: str, parameters: list[str], binary: bool = False) -> dict[str, Any]:

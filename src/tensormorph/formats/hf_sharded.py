@@ -109,7 +109,9 @@ def open(path: Path) -> Checkpoint:
     tensors: dict[str, LogicalTensor] = {}
     objects: dict[str, ObjectEntry] = {}
     file_metadata: dict[str, dict[str, str]] = {}
-    for number, shard in enumerate(shard_names, start=1):
+    numbers = {name: k for k, name in enumerate(sorted(shard_names), start=1)}  # "shard k of n" follows file names
+    for shard in shard_names:
+        number = numbers[shard]
         if not files.exists(shard):
             held = sorted(by_shard.get(shard, ()))
             raise MissingFileError(f"shard file is missing; {where} places {len(held)} tensor(s) in it",

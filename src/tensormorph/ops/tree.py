@@ -69,7 +69,9 @@ def _summarise(node: ModuleNode, shapes: dict[tuple, int]) -> None:
         _summarise(child, shapes)
         _absorb(node, child)
     node.multi_file |= len(files) > 1
-    key = (own, tuple((name, child.shape_id) for name, child in node.children.items()))
+    # sorted: formats list tensors in different orders (DCP sorts its fqns as text), and the order of a
+    # layer's parameters must not decide whether two layers look alike
+    key = (own, tuple(sorted((name, child.shape_id) for name, child in node.children.items())))
     node.shape_id = shapes.setdefault(key, len(shapes))
 
 
@@ -80,6 +82,20 @@ def _absorb(node: ModuleNode, other: ModuleNode) -> None:
         node.dtypes[dtype] = node.dtypes.get(dtype, 0) + size
     node.placement_sharded |= other.placement_sharded
     node.multi_file |= other.multi_file
+
+
+def _numbers_in_order(children: dict[str, ModuleNode]) -> list[tuple[str, ModuleNode]]:
+    """Children with numbered ones sorted numerically (stored names sort as text: 0, 1, 10, 100, 2...),
+    placed where the first numbered one was."""
+    numbered = sorted(((k, c) for k, c in children.items() if k.isdigit()), key=lambda item: int(item[0]))
+    ordered: list[tuple[str, ModuleNode]] = []
+    for key, child in children.items():
+        if not key.isdigit():
+            ordered.append((key, child))
+        elif numbered:
+            ordered.extend(numbered)
+            numbered = []
+    return ordered
 
 
 def _fold(node: ModuleNode) -> None:
@@ -99,7 +115,7 @@ def _fold(node: ModuleNode) -> None:
             folded[run[0].name] = run[0]
         run.clear()
 
-    for key, child in node.children.items():
+    for key, child in _numbers_in_order(node.children):
         if key.isdigit() and run and int(key) == int(run[-1].name) + 1 and child.shape_id == run[0].shape_id:
             run.append(child)
             continue
