@@ -73,7 +73,8 @@ def byte_runs(offset: int, shape: tuple[int, ...], byte_strides: tuple[int, ...]
               index: tuple[slice, ...]) -> list[tuple[int, int]]:
     """The [begin, end) byte ranges a strided array at `offset` touches for `index` (positive-step slices).
 
-    One range per contiguous row, or one covering span when rows are many or not contiguous.
+    One range per contiguous row (adjacent rows merged), or one covering span when rows are many or
+    not contiguous.
     """
     if byte_strides is None:
         byte_strides = tuple(itemsize * math.prod(shape[d + 1:]) for d in range(len(shape)))
@@ -88,14 +89,13 @@ def byte_runs(offset: int, shape: tuple[int, ...], byte_strides: tuple[int, ...]
     if ranges[-1].step != 1 or byte_strides[-1] != itemsize or rows > MAX_ADVISED_RUNS:
         return [(first, last)]
     run = len(ranges[-1]) * itemsize
-    runs: list[tuple[int, int]] = []
-    for lead in itertools.product(*ranges[:-1]):
-        begin = offset + sum(i * st for i, st in zip(lead, byte_strides)) + ranges[-1][0] * byte_strides[-1]
-        if runs and runs[-1][1] == begin:
-            runs[-1] = (runs[-1][0], begin + run)
-        else:
-            runs.append((begin, begin + run))
-    return runs
+    starts = np.full(1, first, dtype=np.int64)
+    for r, stride in zip(ranges[:-1], byte_strides[:-1]):  # every row's start, in C order
+        starts = np.add.outer(starts, np.arange(len(r), dtype=np.int64) * (r.step * stride)).ravel()
+    breaks = np.flatnonzero(np.diff(starts) != run) + 1  # where a row does not continue the previous one
+    begins = starts[np.concatenate(([0], breaks))]
+    ends = starts[np.concatenate((breaks - 1, [len(starts) - 1]))] + run
+    return list(zip(begins.tolist(), ends.tolist()))
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from pathlib import Path, PurePosixPath
 from .errors import MissingFileError, TruncatedFileError, UnsafePathError
 
 _EMPTY = memoryview(b"")
+ADVICE_PIECE = 8 * 1024**2
 
 
 class LocalFiles:
@@ -117,12 +118,16 @@ class LocalFiles:
         if mapped is None or not runs:
             return
         flag = {"willneed": mmap.MADV_WILLNEED, "dontneed": mmap.MADV_DONTNEED}[advice]
+        # the kernel acts on at most about one readahead window per WILLNEED call: ask in pieces
+        piece = ADVICE_PIECE if advice == "willneed" else None
         size = len(mapped)
         for begin, end in runs:
             start = begin - begin % mmap.PAGESIZE
             end = min(end, size)
-            if end > start:
-                mapped.madvise(flag, start, end - start)
+            while end > start:
+                length = end - start if piece is None else min(piece, end - start)
+                mapped.madvise(flag, start, length)
+                start += length
 
     def close(self) -> None:
         with self._lock:

@@ -208,22 +208,26 @@ def compare_tensors(name: str, a: LogicalTensor | None, b: LogicalTensor | None,
     cast_dtype = dtypes.numpy_dtype(cast) if cast else None
     same_dtype = base["dtype_a"] == b.dtype
     boxes = list(aligned_blocks(a, b, block_bytes))
+    reported = 0  # blocks already counted in progress
     if same_dtype:
         differs = False
         for box in boxes:
             block_a, block_b = _read(a, box, cast_dtype), b.read(box)
-            differs = differs or not _same_bytes(block_a, block_b)
+            reported += 1
             if progress is not None:
                 progress(block_b.nbytes)
+            if not _same_bytes(block_a, block_b):
+                differs = True  # the numeric pass below reads every block again, so stop here
+                break
         if not differs:
             # bitwise equal: the figures are exact without a numeric pass (cosine of identical vectors is 1)
             return TensorDiff(name, "equal", **base, max_abs=0.0, max_rel=0.0, rel_l2=0.0,
                               cosine=1.0 if a.numel else None)
     accumulator = _NumericAccumulator(a.shape, atol, rtol)
-    for box in boxes:
+    for i, box in enumerate(boxes):
         block_a, block_b = _read(a, box, cast_dtype), b.read(box)
         accumulator.add(box, block_a, block_b)
-        if progress is not None and not same_dtype:
+        if progress is not None and i >= reported:
             progress(block_b.nbytes)
     figures = accumulator.result()
     if not same_dtype:
@@ -289,8 +293,11 @@ class _NumericAccumulator:
         self.worst: tuple[float, tuple[int, ...], float, float] | None = None
 
     def add(self, box: tuple[slice, ...], block_a: np.ndarray, block_b: np.ndarray) -> None:
-        x = _as_float64(block_a)
-        y = _as_float64(block_b)
+        x = _as_float64(block_a).reshape(-1)
+        y = _as_float64(block_b).reshape(-1)
+        if np.isfinite(x).all() and np.isfinite(y).all():
+            self._add_finite(box, block_a.shape, x, y)
+            return
         nan_x, nan_y = np.isnan(x), np.isnan(y)
         one_nan = nan_x != nan_y
         both_nan = nan_x & nan_y
@@ -314,14 +321,42 @@ class _NumericAccumulator:
             with np.errstate(divide="ignore", invalid="ignore"):
                 relative = np.where(fd == 0, 0.0, fd / np.abs(fy))
             self.max_rel = max(self.max_rel, float(relative.max()))
-        if delta.size:
-            flat = int(np.argmax(delta))
-            value = float(delta.reshape(-1)[flat])
-            if self.worst is None or value > self.worst[0]:
-                local = np.unravel_index(flat, delta.shape) if delta.shape else ()
-                index = tuple(int(s.start + i) for s, i in zip(box, local))
-                self.worst = (value, index, float(x.reshape(-1)[flat]), float(y.reshape(-1)[flat]))
-            self.max_abs = max(self.max_abs, value)
+        self._track_worst(box, block_a.shape, x, y, delta)
+
+    def _add_finite(self, box: tuple[slice, ...], shape: tuple[int, ...], x: np.ndarray, y: np.ndarray) -> None:
+        """The common case, with as few float64 temporaries as possible (memory and time)."""
+        delta = np.subtract(x, y)
+        np.abs(delta, out=delta)
+        magnitude = np.abs(y)
+        self.diff_sq += float(np.dot(delta, delta))
+        self.a_sq += float(np.dot(x, x))
+        self.b_sq += float(np.dot(y, y))
+        self.dot += float(np.dot(x, y))
+        if self.rtol:
+            tolerance = magnitude * self.rtol
+            tolerance += self.atol
+            self.mismatches += int(np.count_nonzero(delta > tolerance))
+            del tolerance
+        else:
+            self.mismatches += int(np.count_nonzero(delta > self.atol))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            np.divide(delta, magnitude, out=magnitude, where=delta > 0)  # 0/0 positions keep |y|: masked next
+        magnitude[delta == 0] = 0.0
+        if magnitude.size:
+            self.max_rel = max(self.max_rel, float(magnitude.max()))
+        self._track_worst(box, shape, x, y, delta)
+
+    def _track_worst(self, box: tuple[slice, ...], shape: tuple[int, ...], x: np.ndarray, y: np.ndarray,
+                     delta: np.ndarray) -> None:
+        if not delta.size:
+            return
+        flat = int(np.argmax(delta))
+        value = float(delta[flat])
+        if self.worst is None or value > self.worst[0]:
+            local = np.unravel_index(flat, shape) if shape else ()
+            index = tuple(int(s.start + i) for s, i in zip(box, local))
+            self.worst = (value, index, float(x[flat]), float(y[flat]))
+        self.max_abs = max(self.max_abs, value)
 
     def result(self) -> dict[str, Any]:
         norm_b = math.sqrt(self.b_sq)
