@@ -114,8 +114,11 @@ class LocalFiles:
 
     def advise(self, name: str, runs: list[tuple[int, int]], advice: str) -> None:
         """madvise byte ranges of a mapped file: "willneed" prefetches them, "dontneed" drops them from our RSS."""
+        if not runs:
+            return
+        self.buffer(name)  # map it now: advice given before the first read must not be lost
         mapped = self._maps.get(self.resolve(name))
-        if mapped is None or not runs:
+        if mapped is None:
             return
         flag = {"willneed": mmap.MADV_WILLNEED, "dontneed": mmap.MADV_DONTNEED}[advice]
         # the kernel acts on at most about one readahead window per WILLNEED call: ask in pieces
