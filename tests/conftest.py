@@ -168,3 +168,42 @@ def dcp_llama_2d(hf_llama_safetensors) -> Path:
     fqns "model." + HF name, same objects as dcp_llama_1d."""
     return _cached("dcp_llama_2d", lambda d: builders.build_dcp_llama(
         d / "ckpt", weights=builders.expected_paths(hf_llama_safetensors)[0], layout="2d")) / "ckpt"
+
+
+@pytest.fixture(scope="session")
+def viewer_pair() -> tuple[Path, Path]:
+    """(a, b) as examples/demo.py builds them, from the real MiniLM: a = DCP on 4 ranks under "model." plus
+    builders.viewer_extras(); b = the same under bare names, HF-sharded, with builders.VIEWER_ALTERED applied.
+    Open them together with rename ["a:model.="]. Truth of a: ``builders.expected_paths(a)``."""
+    root = _cached("viewer_pair", builders.build_viewer_pair)
+    return root / "a", root / "b"
+
+
+@pytest.fixture(scope="session")
+def serve():
+    """serve(app) -> base URL: runs a real uvicorn server on 127.0.0.1 (port 0) in a thread until the session ends."""
+    import threading
+    import time
+
+    import uvicorn
+
+    running = []
+
+    def start(app) -> str:
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+        thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        running.append((server, thread))
+        port = server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for server, thread in running:
+        server.should_exit = True
+    for server, thread in running:
+        thread.join(10)

@@ -35,7 +35,7 @@ from .errors import CheckpointError, TensorNotFoundError
 from .ops.diff import DiffReport, aligned_names, diff, parse_rename
 from .ops.stats import tensor_stats
 from .ops.summary import describe, tensor_record
-from .ops.tiles import View, histogram, tile
+from .ops.tiles import MAX_PIXELS, View, histogram, tile
 
 WEB = Path(__file__).resolve().parent / "web"
 ESTIMATED_READ_RATE = 1e9  # bytes/s, for the cost shown before a full read
@@ -189,8 +189,10 @@ def _viewed(viewer: Viewer, tensor: LogicalTensor, request: Request) -> LogicalT
 
 def _region(request: Request, view: View) -> tuple[int, int, int, int, int, int]:
     height, width = view.shape
-    return (_int(request, "r0", 0), _int(request, "r1", height), _int(request, "c0", 0), _int(request, "c1", width),
-            _int(request, "h", 256), _int(request, "w", 256))
+    h, w = _int(request, "h", 256), _int(request, "w", 256)
+    if h * w > MAX_PIXELS:
+        raise ApiError(413, f"a tile of {h} × {w} pixels is over the limit of {MAX_PIXELS}")
+    return _int(request, "r0", 0), _int(request, "r1", height), _int(request, "c0", 0), _int(request, "c1", width), h, w
 
 
 def _view(tensor: LogicalTensor, request: Request) -> View:

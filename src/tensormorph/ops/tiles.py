@@ -97,7 +97,9 @@ class Tile:
         return next(iter(self.fields.values())).shape
 
     def header(self) -> dict[str, Any]:
-        finite = [v[np.isfinite(v)] for v in self.fields.values()]
+        # the range of the data itself: the value, or the block minima and maxima (not abs-max or mean)
+        ranged = [v for key, v in self.fields.items() if key in ("value", "min", "max")]
+        finite = [v[np.isfinite(v)] for v in ranged]
         finite = [v for v in finite if v.size]
         return {
             "name": self.name, "view_shape": list(self.view_shape), "rows": list(self.rows), "cols": list(self.cols),
@@ -143,6 +145,7 @@ def tile(view: View, r0: int, r1: int, c0: int, c1: int, h: int, w: int, *, exac
     return result
 
 
+@np.errstate(invalid="ignore", divide="ignore")  # +inf and -inf in one block sum to NaN, as they should
 def _aggregate(result: Tile, read: Callable[[slice, slice], np.ndarray], band_bytes: int) -> None:
     """Exact block aggregates, reading bands of whole block rows and block columns under band_bytes."""
     (r0, r1), (c0, c1), (sy, sx) = result.rows, result.cols, result.step
@@ -173,8 +176,7 @@ def _aggregate(result: Tile, read: Callable[[slice, slice], np.ndarray], band_by
             low[target] = _reduce(np.fmin, band, row_starts, col_starts)
             high[target] = _reduce(np.fmax, band, row_starts, col_starts)
             peak[target] = _reduce(np.fmax, np.abs(band), row_starts, col_starts)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+    mean = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
     for key, values in zip(AGGREGATES, (mean, low, high, peak)):
         result.fields[key] = values.astype(np.float32)
 
