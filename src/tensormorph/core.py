@@ -73,8 +73,7 @@ def byte_runs(offset: int, shape: tuple[int, ...], byte_strides: tuple[int, ...]
               index: tuple[slice, ...]) -> list[tuple[int, int]]:
     """The [begin, end) byte ranges a strided array at `offset` touches for `index` (positive-step slices).
 
-    One range per contiguous row (adjacent rows merged), or one covering span when rows are many or
-    not contiguous.
+    One range per row (adjacent ones merged), or one covering span when rows are very many.
     """
     if byte_strides is None:
         byte_strides = tuple(itemsize * math.prod(shape[d + 1:]) for d in range(len(shape)))
@@ -86,9 +85,10 @@ def byte_runs(offset: int, shape: tuple[int, ...], byte_strides: tuple[int, ...]
     if not ranges:
         return [(first, last)]
     rows = math.prod(len(r) for r in ranges[:-1])
-    if ranges[-1].step != 1 or byte_strides[-1] != itemsize or rows > MAX_ADVISED_RUNS:
+    if rows > MAX_ADVISED_RUNS:
         return [(first, last)]
-    run = len(ranges[-1]) * itemsize
+    # each row's span, from its first to its last selected element (every element when the step is 1)
+    run = (len(ranges[-1]) - 1) * ranges[-1].step * byte_strides[-1] + itemsize
     starts = np.full(1, first, dtype=np.int64)
     for r, stride in zip(ranges[:-1], byte_strides[:-1]):  # every row's start, in C order
         starts = np.add.outer(starts, np.arange(len(r), dtype=np.int64) * (r.step * stride)).ravel()

@@ -62,6 +62,7 @@ class Viewer:
         self.cache_dir = cache_dir
         self._diff: dict[tuple[float, float], DiffReport] = {}
         self._tiles: OrderedDict[str, bytes] = OrderedDict()
+        self._summaries: dict[str, bytes] = {}
         self._lock = threading.Lock()
         self._exact = threading.Semaphore(EXACT_TILES_AT_ONCE)
 
@@ -77,6 +78,17 @@ class Viewer:
             return ck[name]
         except TensorNotFoundError as exc:
             raise ApiError(404, str(exc)) from None
+
+    def summary(self, cid: str) -> bytes:
+        """The encoded summary, computed once: a 20,000-tensor tree takes a second to build."""
+        ck = self.checkpoint(cid)
+        with self._lock:
+            cached = self._summaries.get(cid)
+        if cached is None:
+            cached = json.dumps(_finite({**describe(ck, chunks=False), "config": self.config(ck)})).encode()
+            with self._lock:
+                self._summaries[cid] = cached
+        return cached
 
     def config(self, ck: Checkpoint) -> dict[str, Any] | None:
         folder = ck.path if ck.path.is_dir() else ck.path.parent
@@ -219,8 +231,8 @@ def list_checkpoints(request: Request) -> JSONResponse:
 def summary(request: Request) -> JSONResponse:
     """Tensors, totals by dtype, the folded module tree and Hugging Face config facts."""
     viewer: Viewer = request.app.state.viewer
-    ck = viewer.checkpoint(request.path_params["cid"])
-    return JSONResponse({**describe(ck, chunks=False), "config": viewer.config(ck)})
+    cid = request.path_params["cid"]
+    return Response(viewer.summary(cid), media_type="application/json")
 
 
 def tensor_info(request: Request) -> JSONResponse:

@@ -162,28 +162,59 @@ def _aggregate(result: Tile, read: Callable[[slice, slice], np.ndarray], band_by
         for j in range(0, out_cols, block_cols):
             rs = slice(r0 + i * sy, min(r1, r0 + (i + block_rows) * sy))
             cs = slice(c0 + j * sx, min(c1, c0 + (j + block_cols) * sx))
-            band = _as_float(read(rs, cs))
+            band = _as_working(read(rs, cs))
             nan, inf = _nonfinite(band)
             result.nan += nan
             result.inf += inf
-            row_starts = np.arange(0, band.shape[0], sy)
-            col_starts = np.arange(0, band.shape[1], sx)
-            target = (slice(i, i + len(row_starts)), slice(j, j + len(col_starts)))
-            valid = ~np.isnan(band)
-            filled = np.where(valid, band, 0.0) if nan else band
-            sums[target] = _reduce(np.add, filled, row_starts, col_starts)
-            counts[target] = _reduce(np.add, valid.astype(np.int64), row_starts, col_starts)
-            low[target] = _reduce(np.fmin, band, row_starts, col_starts)
-            high[target] = _reduce(np.fmax, band, row_starts, col_starts)
-            peak[target] = _reduce(np.fmax, np.abs(band), row_starts, col_starts)
+            target = (slice(i, i + math.ceil(band.shape[0] / sy)), slice(j, j + math.ceil(band.shape[1] / sx)))
+            if nan:
+                valid = ~np.isnan(band)
+                sums[target] = _blocks(np.add, np.where(valid, band, 0), sy, sx)
+                counts[target] = _blocks(np.add, valid.astype(np.int64), sy, sx)
+            else:
+                sums[target] = _blocks(np.add, band, sy, sx)
+                counts[target] = _block_sizes(band.shape, sy, sx)
+            low[target] = _blocks(np.fmin, band, sy, sx)
+            high[target] = _blocks(np.fmax, band, sy, sx)
+            peak[target] = _blocks(np.fmax, np.abs(band), sy, sx)
     mean = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
     for key, values in zip(AGGREGATES, (mean, low, high, peak)):
         result.fields[key] = values.astype(np.float32)
 
 
-def _reduce(op: np.ufunc, values: np.ndarray, row_starts: np.ndarray, col_starts: np.ndarray) -> np.ndarray:
-    """Reduce each block (rows between row_starts, columns between col_starts) with a ufunc."""
-    return op.reduceat(op.reduceat(values, row_starts, axis=0), col_starts, axis=1)
+def _blocks(op: np.ufunc, values: np.ndarray, sy: int, sx: int) -> np.ndarray:
+    """Reduce every sy × sx block with a ufunc (sums in float64). Whole blocks go through a reshape,
+    several times faster than reduceat; the ragged last row and column of blocks are reduced apart."""
+    rows, cols = values.shape
+    whole_r, whole_c = rows // sy, cols // sx
+    dtype = np.float64 if op is np.add and values.dtype.kind == "f" else None
+    out = np.empty((math.ceil(rows / sy), math.ceil(cols / sx)), np.float64 if dtype else values.dtype)
+    if whole_r and whole_c:
+        grid = values[:whole_r * sy, :whole_c * sx].reshape(whole_r, sy, whole_c, sx)
+        out[:whole_r, :whole_c] = op.reduce(op.reduce(grid, axis=3, dtype=dtype), axis=1)
+    if whole_c < out.shape[1]:  # the ragged last column of blocks, in every block row
+        strip = op.reduce(values[:, whole_c * sx:], axis=1, dtype=dtype)
+        out[:, whole_c] = op.reduceat(strip, np.arange(0, rows, sy))
+    if whole_r < out.shape[0] and whole_c:  # the ragged last row of blocks
+        strip = op.reduce(values[whole_r * sy:, :whole_c * sx], axis=0, dtype=dtype)
+        out[whole_r, :whole_c] = op.reduce(strip.reshape(whole_c, sx), axis=1)
+    return out
+
+
+def _block_sizes(shape: tuple[int, int], sy: int, sx: int) -> np.ndarray:
+    """Elements per block, ragged edges included."""
+    heights = np.minimum(sy, shape[0] - np.arange(0, shape[0], sy))
+    widths = np.minimum(sx, shape[1] - np.arange(0, shape[1], sx))
+    return np.outer(heights, widths)
+
+
+def _as_working(values: np.ndarray) -> np.ndarray:
+    """float32 for floats up to 4 bytes (bf16 and fp8 included), float64 otherwise."""
+    if values.dtype == np.float32 or values.dtype == np.float64:
+        return values
+    if values.dtype.itemsize <= 4 and values.dtype.kind not in "biuc":
+        return values.astype(np.float32)
+    return _as_float(values)
 
 
 def _as_float(values: np.ndarray) -> np.ndarray:
