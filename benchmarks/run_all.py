@@ -24,6 +24,7 @@ BENCHMARKS = [
     ("bench_full_read", "full_read"),
     ("bench_diff", "diff"),
     ("bench_convert", "convert"),
+    ("bench_viewer", "viewer"),
 ]
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 README = REPO / "README.md"
