@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import json
-import os
 import struct
 import threading
 import time

@@ -33,7 +33,6 @@ def minilm_file() -> Path:
 
 
 def _save_rank(rank: int, port: int, out: str) -> None:
-    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file

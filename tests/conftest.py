@@ -203,7 +203,7 @@ def serve():
         return f"http://127.0.0.1:{port}"
 
     yield start
-    for server, thread in running:
+    for server, _thread in running:
         server.should_exit = True
-    for server, thread in running:
+    for _server, thread in running:
         thread.join(10)

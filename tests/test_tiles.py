@@ -8,7 +8,6 @@ plain numpy, one block at a time.
 from __future__ import annotations
 
 import json
-import math
 import struct
 from dataclasses import dataclass
 from typing import Any

@@ -66,7 +66,7 @@ def verify(path: str | Path, *, full: bool = False, progress: Callable[[int], No
         reader = next(r for r in readers() if r.NAME == ck.format)
         checksum_problems = getattr(reader, "checksum_problems", None)
         if checksum_problems is not None:
-            for item, exc in checksum_problems(ck):
+            for _item, exc in checksum_problems(ck):
                 report.checksums_checked += 1
                 if exc is not None:
                     report.problems.append(_problem(exc))
