@@ -221,3 +221,16 @@ def test_read_budget_guards_full_reads(minilm):
         word.full()
     assert word[:10].shape == (10, 384)
     assert same_bits(word.full(force=True)[:10], word[:10])
+
+
+def test_large_chunks_read_directly_bit_exact(viewer_pair, minilm):
+    """Chunks of a megabyte and more are read with pread straight into the result: same bits as the source."""
+    from safetensors.numpy import load_file
+
+    dcp_minilm, _ = viewer_pair
+    reference = load_file(str(minilm / "model.safetensors"))["embeddings.word_embeddings.weight"]
+    tensor = tm.open(dcp_minilm)["model.embeddings.word_embeddings.weight"]
+    assert min(c.numel for c in tensor.chunks) * 4 >= 1 << 20  # every chunk takes the direct path
+    assert same_bits(tensor.full(), reference)
+    assert same_bits(tensor[1000:9000], reference[1000:9000])  # crosses a chunk boundary, rows only
+    assert same_bits(tensor[1000:9000, 5:9], reference[1000:9000, 5:9])  # not contiguous: mapped path

@@ -62,11 +62,26 @@ class MappedArray:
         runs = byte_runs(self.offset, self.shape, self._byte_strides(), self.dtype.itemsize, index)
         self.files.advise(self.file, runs, advice)
 
+    def read_into(self, index: tuple[slice, ...], target: np.ndarray) -> bool:
+        """Read `index` straight from the file into `target` when both are one contiguous run of bytes.
+
+        Large sequential reads run at the disk's rate this way, without faulting pages in through the
+        memory map. Returns False (and does nothing) when the layout does not allow it.
+        """
+        if target.dtype != self.dtype or not target.flags.c_contiguous or target.nbytes < DIRECT_READ_MIN:
+            return False
+        runs = byte_runs(self.offset, self.shape, self._byte_strides(), self.dtype.itemsize, index)
+        if len(runs) != 1 or runs[0][1] - runs[0][0] != target.nbytes:
+            return False
+        self.files.read_into(self.file, runs[0][0], memoryview(target.reshape(-1).view(np.uint8)))
+        return True
+
     def _byte_strides(self) -> tuple[int, ...] | None:
         return None if self.strides is None else tuple(s * self.dtype.itemsize for s in self.strides)
 
 
 MAX_ADVISED_RUNS = 4096
+DIRECT_READ_MIN = 1 << 20  # below this, copying from the memory map costs less than a system call
 
 
 def byte_runs(offset: int, shape: tuple[int, ...], byte_strides: tuple[int, ...] | None, itemsize: int,
@@ -194,7 +209,10 @@ class LogicalTensor:
                 continue
             source_index, target_index = selection
             advise = getattr(chunk.source, "advise", None)
+            read_into = getattr(chunk.source, "read_into", None)
             try:
+                if read_into is not None and read_into(source_index, out[target_index]):
+                    continue
                 if advise is not None:
                     advise(source_index, "willneed")  # the kernel fetches exactly these bytes, in parallel
                 out[target_index] = chunk.read()[source_index]

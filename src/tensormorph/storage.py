@@ -16,6 +16,7 @@ from .errors import MissingFileError, TruncatedFileError, UnsafePathError
 
 _EMPTY = memoryview(b"")
 ADVICE_PIECE = 8 * 1024**2
+READ_PIECE = 64 * 1024**2
 
 
 class LocalFiles:
@@ -84,6 +85,24 @@ class LocalFiles:
                 return size, length, b""
         except FileNotFoundError:
             raise MissingFileError("file is missing", file=str(path)) from None
+
+    def read_into(self, name: str, offset: int, target: memoryview) -> None:
+        """Fill `target` with the file's bytes from `offset` (pread in large pieces, no page mapping)."""
+        path = self.resolve(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise MissingFileError("file is missing", file=str(path)) from None
+        try:
+            done = 0
+            while done < len(target):
+                count = os.preadv(fd, [target[done:done + READ_PIECE]], offset + done)
+                if count == 0:
+                    raise TruncatedFileError(f"expected {len(target)} bytes at offset {offset}, the file ends "
+                                             f"after {done}", file=str(path))
+                done += count
+        finally:
+            os.close(fd)
 
     def _counted(self, data: bytes, length: int, offset: int, path: Path) -> bytes:
         if len(data) != length:

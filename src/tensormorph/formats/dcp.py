@@ -109,6 +109,9 @@ class DcpItemArray:
         if not self.item.transforms:
             self._mapped().advise(index, advice)
 
+    def read_into(self, index: tuple[slice, ...], target: np.ndarray) -> bool:
+        return not self.item.transforms and self._mapped().read_into(index, target)
+
     def _mapped(self) -> MappedArray:
         """The tensor inside an uncompressed item, as an array mapped straight from the data file."""
         mapped = self._cache.get("mapped")
