@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from tensormorph.core import human_bytes
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -236,11 +238,7 @@ def row(benchmark: str, case: str, *, tensormorph: str, anchor: str, ratio: floa
 # ---------------------------------------------------------------- formatting
 
 def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    return human_bytes(n)
 
 
 def fmt_s(seconds: float) -> str:

@@ -8,8 +8,7 @@ import re
 import struct
 
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 from fixtures import builders  # noqa: E402
 from fixtures.builders import expected_paths, load_expected, load_expected_json  # noqa: E402

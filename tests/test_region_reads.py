@@ -7,6 +7,7 @@ carrying DCP_SHARDING_INFO) and opened through the public `tensormorph.open`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -129,6 +130,18 @@ def indices(draw: st.DrawFn, shape: tuple[int, ...]) -> Any:
     return tuple(items[:draw(st.integers(0, ndim))])
 
 
+@contextlib.contextmanager
+def opened_sharded(layout, seed: int):
+    """Write a random tensor of `layout` as one DCP-safetensors file per box and open it: (ck, full, boxes)."""
+    shape, cuts, dtype = layout
+    full = random_array(shape, dtype, seed)
+    boxes = grid_boxes(shape, cuts)
+    with tempfile.TemporaryDirectory() as folder:
+        write_sharded(Path(folder), {"w": (full, boxes)})
+        with tm.open(folder) as ck:
+            yield ck, full, boxes
+
+
 # ---------------------------------------------------------------------------
 # region reads
 # ---------------------------------------------------------------------------
@@ -138,68 +151,56 @@ def indices(draw: st.DrawFn, shape: tuple[int, ...]) -> Any:
 @given(layout=layouts(), seed=st.integers(0, 2**32 - 1), data=st.data())
 def test_region_read_equals_numpy_indexing(layout, seed: int, data: st.DataObject) -> None:
     shape, cuts, dtype = layout
-    full = random_array(shape, dtype, seed)
-    boxes = grid_boxes(shape, cuts)
-    with tempfile.TemporaryDirectory() as folder:
-        write_sharded(Path(folder), {"w": (full, boxes)})
-        with tm.open(folder) as ck:
-            assert ck.format == "dcp-safetensors"
-            tensor = ck["w"]
-            assert tensor.shape == shape and tensor.dtype == dtype
-            same(tensor.full(), full)
-            for _ in range(4):
-                index = data.draw(indices(shape), label="index")
-                same(tensor.read(index), full[index])
-                same(tensor[index], full[index])
+    with opened_sharded(layout, seed) as (ck, full, boxes):
+        assert ck.format == "dcp-safetensors"
+        tensor = ck["w"]
+        assert tensor.shape == shape and tensor.dtype == dtype
+        same(tensor.full(), full)
+        for _ in range(4):
+            index = data.draw(indices(shape), label="index")
+            same(tensor.read(index), full[index])
+            same(tensor[index], full[index])
 
 
 @SETTINGS
 @given(layout=layouts(), seed=st.integers(0, 2**32 - 1), data=st.data())
 def test_region_read_touches_only_overlapping_chunks(layout, seed: int, data: st.DataObject) -> None:
     shape, cuts, dtype = layout
-    full = random_array(shape, dtype, seed)
-    boxes = grid_boxes(shape, cuts)
-    with tempfile.TemporaryDirectory() as folder:
-        write_sharded(Path(folder), {"w": (full, boxes)})
-        with tm.open(folder) as ck:
-            tensor = ck["w"]
-            reads: list[tuple[int, ...]] = []
+    with opened_sharded(layout, seed) as (ck, full, boxes):
+        tensor = ck["w"]
+        reads: list[tuple[int, ...]] = []
 
-            class Counting:
-                def __init__(self, chunk: Chunk):
-                    self.chunk = chunk
+        class Counting:
+            def __init__(self, chunk: Chunk):
+                self.chunk = chunk
 
-                def array(self) -> np.ndarray:
-                    reads.append(self.chunk.offsets)
-                    return self.chunk.source.array()
+            def array(self) -> np.ndarray:
+                reads.append(self.chunk.offsets)
+                return self.chunk.source.array()
 
-            spied = replace(tensor, chunks=tuple(replace(c, source=Counting(c)) for c in tensor.chunks))
-            # which chunk owns each element, so numpy says which chunks an index touches
-            owner = np.full(shape, -1, dtype=np.int64)
-            for k, chunk in enumerate(spied.chunks):
-                owner[box_index(chunk.offsets, chunk.shape)] = k
-            assert (owner >= 0).all()
-            index = data.draw(indices(shape), label="index")
-            same(spied.read(index), full[index])
-            wanted = sorted({spied.chunks[k].offsets for k in np.unique(np.asarray(owner[index]))})
-            assert sorted(reads) == wanted
+        spied = replace(tensor, chunks=tuple(replace(c, source=Counting(c)) for c in tensor.chunks))
+        # which chunk owns each element, so numpy says which chunks an index touches
+        owner = np.full(shape, -1, dtype=np.int64)
+        for k, chunk in enumerate(spied.chunks):
+            owner[box_index(chunk.offsets, chunk.shape)] = k
+        assert (owner >= 0).all()
+        index = data.draw(indices(shape), label="index")
+        same(spied.read(index), full[index])
+        wanted = sorted({spied.chunks[k].offsets for k in np.unique(np.asarray(owner[index]))})
+        assert sorted(reads) == wanted
 
 
 @SETTINGS
 @given(layout=layouts(), seed=st.integers(0, 2**32 - 1))
 def test_local_rank_is_the_chunk_that_rank_wrote(layout, seed: int) -> None:
     shape, cuts, dtype = layout
-    full = random_array(shape, dtype, seed)
-    boxes = grid_boxes(shape, cuts)
-    with tempfile.TemporaryDirectory() as folder:
-        write_sharded(Path(folder), {"w": (full, boxes)})
-        with tm.open(folder) as ck:
-            tensor = ck["w"]
-            assert tensor.is_placement_sharded == (len({b for b in boxes}) > 1)
-            for rank, (offsets, sizes) in enumerate(boxes):
-                same(tensor.local(rank), full[box_index(offsets, sizes)])
-            with pytest.raises(CheckpointError, match="rank 999 holds no stored chunk"):
-                tensor.local(999)
+    with opened_sharded(layout, seed) as (ck, full, boxes):
+        tensor = ck["w"]
+        assert tensor.is_placement_sharded == (len({b for b in boxes}) > 1)
+        for rank, (offsets, sizes) in enumerate(boxes):
+            same(tensor.local(rank), full[box_index(offsets, sizes)])
+        with pytest.raises(CheckpointError, match="rank 999 holds no stored chunk"):
+            tensor.local(999)
 
 
 def test_two_tensors_with_different_chunkings_in_the_same_files(tmp_path: Path) -> None:

@@ -90,14 +90,6 @@ def itemsize(name: str) -> int:
     return NUMPY_DTYPES[name].itemsize
 
 
-def vocabulary_name(dtype: np.dtype) -> str:
-    """The vocabulary name of a numpy dtype (inverse of numpy_dtype)."""
-    for name, candidate in NUMPY_DTYPES.items():
-        if candidate == dtype:
-            return name
-    raise KeyError(f"no checkpoint dtype for numpy dtype {dtype}")
-
-
 def is_floating(name: str) -> bool:
     """True for real floating-point dtypes (ml_dtypes' bf16/fp8 report numpy kind 'V', so ask by name)."""
     return name.startswith("F") or name == "BF16"

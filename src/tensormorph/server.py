@@ -189,7 +189,8 @@ def _flag(request: Request, name: str) -> bool:
     return request.query_params.get(name, "0") in ("1", "true", "yes")
 
 
-def _viewed(viewer: Viewer, tensor: LogicalTensor, request: Request) -> LogicalTensor:
+def _viewed(tensor: LogicalTensor, request: Request) -> LogicalTensor:
+    """The tensor, or with &rank=R only what rank R holds."""
     rank = request.query_params.get("rank")
     if rank in (None, ""):
         return tensor
@@ -251,8 +252,8 @@ def tensor_info(request: Request) -> JSONResponse:
 def stats(request: Request) -> JSONResponse:
     """Statistics and a histogram; above the read budget only with confirm=1."""
     viewer: Viewer = request.app.state.viewer
-    tensor = _viewed(viewer, viewer.tensor(viewer.checkpoint(request.path_params["cid"]),
-                                           request.query_params.get("name")), request)
+    tensor = _viewed(viewer.tensor(viewer.checkpoint(request.path_params["cid"]), request.query_params.get("name")),
+                     request)
     if tensor.nbytes > tensor.read_budget and not _flag(request, "confirm"):
         raise ApiError(409, f"reading {tensor.nbytes} bytes exceeds the read budget; confirm to go on",
                        bytes=tensor.nbytes, seconds=tensor.nbytes / ESTIMATED_READ_RATE)
@@ -269,7 +270,7 @@ def tile_endpoint(request: Request) -> Response:
     """A binary tile of one tensor's view (see docs/viewer-api.md)."""
     viewer: Viewer = request.app.state.viewer
     ck = viewer.checkpoint(request.path_params["cid"])
-    tensor = _viewed(viewer, viewer.tensor(ck, request.query_params.get("name")), request)
+    tensor = _viewed(viewer.tensor(ck, request.query_params.get("name")), request)
     view = _view(tensor, request)
     region = _region(request, view)
     exact = _flag(request, "exact")
