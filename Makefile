@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	# constraints.txt pins torch==2.13.0, the CPU wheel available offline on this machine kind.
-	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev,torch,web,browser-tests]"
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev,torch,web,browser-tests,s3,gguf]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -21,7 +21,7 @@ from .ops.verify import verify
 
 __all__ = [
     "Checkpoint", "CheckpointError", "Chunk", "DEFAULT_READ_BUDGET", "LogicalTensor", "ObjectEntry", "Placement",
-    "convert", "detect", "diff", "open", "verify",
+    "convert", "detect", "diff", "load", "open", "plan", "save", "verify",
 ]
 __version__ = "0.1.0"
 
@@ -39,3 +39,16 @@ def open(path: str | Path, format: str | None = None, *, read_budget: int = DEFA
 
         checkpoint = replace(checkpoint, tensors={n: t.with_budget(read_budget) for n, t in checkpoint.tensors.items()})
     return checkpoint
+
+
+# torch-dependent entry points load on first use, so `import tensormorph` stays torch-free.
+_LAZY = {"save": ".distributed", "load": ".distributed", "plan": ".planner"}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tensormorph' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module, __name__), name)

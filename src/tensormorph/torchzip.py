@@ -147,13 +147,15 @@ def is_torch_zip(head: bytes) -> bool:
     return head[:4] == b"PK\x03\x04"
 
 
-def load(buffer: memoryview, *, file: str, item: str | None = None) -> Any:
+def load(buffer: memoryview, *, file: str, item: str | None = None,
+         extra_globals: safe_pickle.Globals | None = None) -> Any:
     """The object tree of a torch.save archive held in `buffer`, tensors as TensorRefs.
 
-    `item` names the DCP item the archive belongs to, for error messages.
+    `item` names the DCP item the archive belongs to, for error messages. `extra_globals` adds
+    format-specific stand-ins (records of a training framework's classes) to the allowlist.
     """
     try:
-        return _load(buffer, file, item)
+        return _load(buffer, file, item, extra_globals or {})
     except CheckpointError:
         raise
     except RecursionError:
@@ -163,7 +165,7 @@ def load(buffer: memoryview, *, file: str, item: str | None = None) -> Any:
                           file=file, tensor=item) from None
 
 
-def _load(buffer: memoryview, file: str, item: str | None) -> Any:
+def _load(buffer: memoryview, file: str, item: str | None, extra_globals: safe_pickle.Globals) -> Any:
     if len(buffer) >= 2 and buffer[0] == 0x80 and not is_torch_zip(bytes(buffer[:4])):
         raise UnsupportedError(
             "is a legacy (pre-1.6, non-zip) torch.save file, which this reader does not support; "
@@ -225,7 +227,8 @@ def _load(buffer: memoryview, file: str, item: str | None) -> Any:
                 f"of storage {storage.key!r} ({storage.nbytes} bytes)", file=file, tensor=item)
         return tensor
 
-    return safe_pickle.loads(pickle_bytes, _tensor_globals(make_tensor), persistent=persistent, file=file)
+    allowed = {**_tensor_globals(make_tensor), **extra_globals}
+    return safe_pickle.loads(pickle_bytes, allowed, persistent=persistent, file=file)
 
 
 def check_crc(buffer: memoryview, *, file: str, item: str | None = None) -> None:
