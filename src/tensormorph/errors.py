@@ -66,6 +66,19 @@ class UnsupportedError(CheckpointError):
     """The checkpoint uses a feature this version cannot read."""
 
 
+class UncommittedCheckpointError(CheckpointError):
+    """A save that never committed: data files without a manifest (a crash or a failed rank)."""
+
+
+class StateMismatchError(CheckpointError):
+    """A state dict and a checkpoint disagree: missing or unexpected keys, other shapes or dtypes."""
+
+    def __init__(self, message: str, *, file: str | None = None, missing: list[str] = (),
+                 unexpected: list[str] = (), mismatched: list[str] = ()):
+        super().__init__(message, file=file)
+        self.missing, self.unexpected, self.mismatched = list(missing), list(unexpected), list(mismatched)
+
+
 class TensorNotFoundError(CheckpointError, KeyError):
     """A tensor name is not in the checkpoint."""
 

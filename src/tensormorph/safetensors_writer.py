@@ -14,10 +14,12 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
+import crc32c
 import numpy as np
 
 from . import dtypes
@@ -48,28 +50,61 @@ def header_bytes(specs: Iterable[TensorSpec], metadata: dict[str, str] | None = 
     return struct.pack("<Q", len(text)) + text
 
 
-def write_file(path: Path, tensors: Iterable[tuple[TensorSpec, Iterator[np.ndarray]]],
-               metadata: dict[str, str] | None = None) -> int:
-    """Write tensors, each given as its spec and its data in C-order blocks; returns bytes written.
+@dataclass
+class Written:
+    """What a streamed file holds: its size, its CRC-32C, and each tensor's byte range and block CRCs."""
 
-    The caller supplies the specs up front (through a list) so the header can be written first.
+    size: int
+    crc32c: int
+    ranges: list[tuple[int, int]]
+    block_crc32c: list[list[int]]
+
+
+def write_stream(f: BinaryIO, tensors: Iterable[tuple[TensorSpec, Iterable[np.ndarray]]],
+                 metadata: dict[str, str] | None = None, *, checksum_block: int = 1 << 20) -> Written:
+    """Write tensors to an open binary file, each as its spec and its data in C-order blocks.
+
+    Checksums are computed on the bytes as they go out, not in a second pass: one CRC-32C for the
+    whole file and one per `checksum_block` bytes of each tensor (so partial reads can be verified).
     """
     items = list(tensors)
-    written = 0
+    head = header_bytes([spec for spec, _ in items], metadata)
+    f.write(head)
+    position, file_crc = len(head), crc32c.crc32c(head)
+    result = Written(0, 0, [], [])
+    for spec, blocks in items:
+        begin, blocks_crc, block_crc, in_block = position, [], 0, 0
+        numpy_dtype = dtypes.numpy_dtype(spec.dtype)
+        for block in blocks:
+            data = np.ascontiguousarray(block, dtype=numpy_dtype).reshape(-1).view(np.uint8)
+            view = memoryview(data)
+            f.write(view)
+            file_crc = crc32c.crc32c(view, file_crc)
+            done = 0
+            while done < len(view):  # split the block at checksum-block edges
+                take = min(len(view) - done, checksum_block - in_block)
+                block_crc = crc32c.crc32c(view[done:done + take], block_crc)
+                done += take
+                in_block += take
+                if in_block == checksum_block:
+                    blocks_crc.append(block_crc)
+                    block_crc, in_block = 0, 0
+            position += len(view)
+        if in_block:
+            blocks_crc.append(block_crc)
+        if position - begin != spec.nbytes:
+            raise ValueError(f"tensor {spec.name!r}: its blocks hold {position - begin} bytes, expected {spec.nbytes}")
+        result.ranges.append((begin, position))
+        result.block_crc32c.append(blocks_crc)
+    result.size, result.crc32c = position, file_crc
+    return result
+
+
+def write_file(path: Path, tensors: Iterable[tuple[TensorSpec, Iterable[np.ndarray]]],
+               metadata: dict[str, str] | None = None) -> int:
+    """Write and fsync a safetensors file (see write_stream); returns the bytes written."""
     with open(path, "wb") as f:
-        head = header_bytes([spec for spec, _ in items], metadata)
-        f.write(head)
-        written += len(head)
-        for spec, blocks in items:
-            expected = spec.nbytes
-            for block in blocks:
-                data = np.ascontiguousarray(block, dtype=dtypes.numpy_dtype(spec.dtype))
-                f.write(memoryview(data.reshape(-1).view(np.uint8)))
-                expected -= data.nbytes
-            if expected != 0:
-                raise ValueError(f"tensor {spec.name!r}: its blocks hold {spec.nbytes - expected} bytes, "
-                                 f"expected {spec.nbytes}")
-            written += spec.nbytes
+        written = write_stream(f, tensors, metadata)
         f.flush()
         os.fsync(f.fileno())
-    return written
+    return written.size

@@ -1,0 +1,139 @@
+"""Read boxes of a Tensormorph checkpoint straight into their destination, byte run by byte run.
+
+A rank that needs a box of a tensor intersects it with the stored chunks and
+reads, for each overlap, only the contiguous runs of bytes that hold it:
+with pread from a local file (into the destination's own memory when it is
+contiguous), or in coalesced ranged requests from an object store. Every
+checksum block that a run covers entirely is verified on the way.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+
+import crc32c
+import numpy as np
+
+from . import dtypes
+from .errors import ChecksumError, MissingFileError, TruncatedFileError
+from .layout import Box, box_runs, intersect
+from .locations import RemoteFiles
+from .manifest import CHECKSUM_BLOCK, ChunkRecord, Manifest
+from .storage import LocalFiles
+
+REMOTE_GAP = 4096  # remote runs closer than this are fetched in one request: a request costs more than the gap
+
+
+class BoxReader:
+    """Reads boxes of the tensors of one manifest, from local files or an fsspec prefix."""
+
+    def __init__(self, manifest: Manifest, files: LocalFiles | RemoteFiles, where: str, *, verify: bool = True):
+        self.manifest, self.files, self.where, self.verify = manifest, files, where, verify
+        self.bytes_read = 0
+        self.blocks_verified = 0
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> BoxReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def read_box(self, name: str, box: Box, out: np.ndarray) -> None:
+        """Fill `out` (shaped like the box, the tensor's dtype) with the box of tensor `name`."""
+        record = self.manifest.tensors[name]
+        itemsize = dtypes.itemsize(record.dtype)
+        for chunk in record.chunks:
+            overlap = intersect(box, (chunk.offsets, chunk.shape))
+            if overlap is None:
+                continue
+            start = tuple(o - c for o, c in zip(overlap[0], chunk.offsets))
+            target = out[tuple(slice(o - b, o - b + n) for o, b, n in zip(overlap[0], box[0], overlap[1])) + (Ellipsis,)]
+            buffer = target if target.flags.c_contiguous else np.empty(overlap[1], out.dtype)
+            starts, run = box_runs(chunk.shape, itemsize, start, overlap[1])
+            self._read_runs(name, chunk, starts, run, memoryview(buffer.reshape(-1).view(np.uint8)))
+            if buffer is not target:
+                target[...] = buffer
+
+    def _read_runs(self, name: str, chunk: ChunkRecord, starts: np.ndarray, run: int, into: memoryview) -> None:
+        base = chunk.byte_range[0]
+        if isinstance(self.files, RemoteFiles):
+            self._fetch_remote(chunk.file, [(base + int(s), base + int(s) + run) for s in starts], into)
+        else:
+            fd = self._fd(chunk.file)
+            for i, s in enumerate(starts.tolist()):
+                self._pread(fd, chunk.file, base + s, into[i * run:(i + 1) * run])
+        with self._lock:
+            self.bytes_read += len(starts) * run
+        if self.verify:
+            for i, s in enumerate(starts.tolist()):
+                self._verify(name, chunk, s, into[i * run:(i + 1) * run])
+
+    def _fetch_remote(self, file: str, ranges: list[tuple[int, int]], into: memoryview) -> None:
+        groups: list[list[tuple[int, int]]] = []
+        for begin, end in ranges:
+            if groups and begin - groups[-1][-1][1] <= REMOTE_GAP:
+                groups[-1].append((begin, end))
+            else:
+                groups.append([(begin, end)])
+        parts = self.files.read_ranges(file, [(g[0][0], g[-1][1]) for g in groups])
+        position = 0
+        for group, part in zip(groups, parts):
+            first = group[0][0]
+            for begin, end in group:
+                into[position:position + end - begin] = part[begin - first:end - first]
+                position += end - begin
+
+    def _fd(self, file: str) -> int:
+        with self._lock:
+            fd = self._fds.get(file)
+            if fd is None:
+                path = self.files.resolve(file)
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    raise MissingFileError("data file is missing", file=str(path)) from None
+                self._fds[file] = fd
+            return fd
+
+    def _pread(self, fd: int, file: str, offset: int, target: memoryview) -> None:
+        done = 0
+        while done < len(target):
+            count = os.preadv(fd, [target[done:]], offset + done)
+            if count == 0:
+                raise TruncatedFileError(f"expected {len(target)} bytes at offset {offset}, the file ends after "
+                                         f"{done}", file=str(self.files.resolve(file)))
+            done += count
+
+    def _verify(self, name: str, chunk: ChunkRecord, start: int, data: memoryview) -> None:
+        """Check every checksum block lying wholly inside the run [start, start + len(data)) of the chunk."""
+        nbytes = chunk.byte_range[1] - chunk.byte_range[0]
+        block = -(-start // CHECKSUM_BLOCK)
+        while block * CHECKSUM_BLOCK < start + len(data):
+            begin, end = block * CHECKSUM_BLOCK, min((block + 1) * CHECKSUM_BLOCK, nbytes)
+            if end > start + len(data):
+                break
+            found = crc32c.crc32c(data[begin - start:end - start])
+            if found != chunk.block_crc32c[block]:
+                raise ChecksumError(
+                    f"bytes [{chunk.byte_range[0] + begin}, {chunk.byte_range[0] + end}) of the chunk at offsets "
+                    f"{list(chunk.offsets)} have CRC-32C {found:08x}, the manifest records "
+                    f"{chunk.block_crc32c[block]:08x}: the file is damaged", file=self._name(chunk.file), tensor=name)
+            self.blocks_verified += 1
+            block += 1
+
+    def _name(self, file: str) -> str:
+        return f"{self.files.url}/{file}" if isinstance(self.files, RemoteFiles) else str(self.files.resolve(file))
+
+
+def needed_bytes(boxes: Sequence[tuple[str, Box]], manifest: Manifest) -> int:
+    """The bytes the given boxes hold: what an exact reader must read for them."""
+    return sum(int(np.prod(box[1])) * dtypes.itemsize(manifest.tensors[name].dtype) for name, box in boxes)

@@ -1,0 +1,190 @@
+"""Where a Tensormorph checkpoint is written and read: a local folder or any fsspec URL.
+
+Local saves go to a temporary sibling folder and are renamed into place after
+the manifest is durable, so the final name only ever holds a committed
+checkpoint. Object stores have no atomic folder rename: there the data files
+go straight to their final keys and the manifest, a single PUT written last,
+is the commit. Either way a folder without a manifest is not a checkpoint,
+and a marker file says which save it was part of.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from .errors import CheckpointError, MissingFileError, TruncatedFileError, UnsafePathError
+from .manifest import MANIFEST, SAVE_MARKER, TEMP_PREFIX
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    return "://" in os.fspath(path) and not os.fspath(path).startswith("file://")
+
+
+def _local_path(path: str | os.PathLike) -> Path:
+    text = os.fspath(path)
+    return Path(text[len("file://"):] if text.startswith("file://") else text)
+
+
+class LocalDestination:
+    """A folder on a local file system, committed by an atomic rename."""
+
+    def __init__(self, path: str | os.PathLike, *, overwrite: bool = False):
+        self.final = _local_path(path).absolute()
+        self.overwrite = overwrite
+        self.work: Path | None = None
+
+    def describe(self) -> str:
+        return str(self.final)
+
+    def prepare(self) -> str:
+        """Create the temporary folder (one process only); returns its name for the other ranks."""
+        if self.final.exists() and not self.overwrite:
+            raise CheckpointError("already exists; pass overwrite=True to replace it", file=str(self.final))
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        name = f"{TEMP_PREFIX}{self.final.name}-{uuid.uuid4().hex[:12]}"
+        work = self.final.parent / name
+        work.mkdir()
+        _write_durably(work / SAVE_MARKER, json.dumps({"target": self.final.name, "started": time.time()}).encode())
+        self.work = work
+        return name
+
+    def join(self, token: str) -> None:
+        self.work = self.final.parent / token
+
+    def open(self, name: str) -> BinaryIO:
+        assert self.work is not None, "prepare() or join() first"
+        return open(self.work / name, "wb")
+
+    @staticmethod
+    def finish_file(f: BinaryIO) -> None:
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+
+    def commit(self, manifest: bytes) -> None:
+        """Make the save visible: manifest durable, then the folder renamed to its final name."""
+        assert self.work is not None
+        _write_durably(self.work / MANIFEST, manifest)
+        (self.work / SAVE_MARKER).unlink()
+        _fsync_dir(self.work)
+        replaced = None
+        if self.final.exists():
+            replaced = self.final.parent / f"{TEMP_PREFIX}replaced-{self.final.name}-{uuid.uuid4().hex[:12]}"
+            os.rename(self.final, replaced)
+        os.rename(self.work, self.final)
+        _fsync_dir(self.final.parent)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+
+
+class FsspecDestination:
+    """A prefix in an fsspec file system (s3://, gs://, memory://...); the manifest PUT is the commit."""
+
+    def __init__(self, url: str, *, overwrite: bool = False, storage_options: dict[str, Any] | None = None):
+        import fsspec
+
+        self.url = url.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.overwrite = overwrite
+
+    def describe(self) -> str:
+        return self.url
+
+    def prepare(self) -> str:
+        if self.fs.exists(f"{self.root}/{MANIFEST}"):
+            if not self.overwrite:
+                raise CheckpointError("already holds a checkpoint; pass overwrite=True to replace it", file=self.url)
+            self.fs.rm(self.root, recursive=True)
+        self.fs.pipe_file(f"{self.root}/{SAVE_MARKER}",
+                          json.dumps({"target": self.url, "started": time.time()}).encode())
+        return ""
+
+    def join(self, token: str) -> None:
+        return None
+
+    def open(self, name: str) -> BinaryIO:
+        # s3fs uploads a file written this way in multipart pieces as its buffer fills
+        return self.fs.open(f"{self.root}/{name}", "wb", block_size=64 * 1024**2)
+
+    @staticmethod
+    def finish_file(f: BinaryIO) -> None:
+        f.close()  # completes the upload; an object store has no separate fsync
+
+    def commit(self, manifest: bytes) -> None:
+        self.fs.pipe_file(f"{self.root}/{MANIFEST}", manifest)
+        self.fs.rm_file(f"{self.root}/{SAVE_MARKER}")
+
+
+def destination(path: str | os.PathLike, *, overwrite: bool = False,
+                storage_options: dict[str, Any] | None = None) -> LocalDestination | FsspecDestination:
+    if is_url(path):
+        return FsspecDestination(os.fspath(path), overwrite=overwrite, storage_options=storage_options)
+    return LocalDestination(path, overwrite=overwrite)
+
+
+class RemoteFiles:
+    """Read-only files under an fsspec prefix, read in coalesced ranged requests."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
+        import fsspec
+
+        self.url = url.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.bytes_read = 0
+
+    def _key(self, name: str) -> str:
+        if not name or name.startswith("/") or ".." in name.split("/") or "\x00" in name:
+            raise UnsafePathError(f"names file {name!r}, which is outside the checkpoint", file=self.url)
+        return f"{self.root}/{name}"
+
+    def exists(self, name: str) -> bool:
+        return self.fs.exists(self._key(name))
+
+    def read_all(self, name: str) -> bytes:
+        try:
+            data = self.fs.cat_file(self._key(name))
+        except FileNotFoundError:
+            raise MissingFileError("file is missing", file=f"{self.url}/{name}") from None
+        self.bytes_read += len(data)
+        return data
+
+    def read_ranges(self, name: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """The bytes of each [begin, end) range of one file, fetched concurrently."""
+        if not ranges:
+            return []
+        key = self._key(name)
+        try:
+            parts = self.fs.cat_ranges([key] * len(ranges), [b for b, _ in ranges], [e for _, e in ranges],
+                                       on_error="raise")
+        except FileNotFoundError:
+            raise MissingFileError("file is missing", file=f"{self.url}/{name}") from None
+        for (begin, end), part in zip(ranges, parts):
+            if len(part) != end - begin:
+                raise TruncatedFileError(f"expected {end - begin} bytes at offset {begin}, got {len(part)}",
+                                         file=f"{self.url}/{name}")
+        self.bytes_read += sum(len(p) for p in parts)
+        return parts
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """Write a small file under a temporary name, fsync it and rename it into place."""
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(part, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,284 @@
+"""The Tensormorph format's manifest: the global view of a sharded checkpoint, as JSON.
+
+docs/format.md is the specification; this module writes and validates it.
+A folder is a committed checkpoint exactly when `manifest.json` is present
+and its own checksum matches: data files are written first, the manifest
+last, so a reader never takes a half-written save for a valid one.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c
+
+from . import dtypes
+from .errors import ChecksumError, HeaderError
+
+FORMAT = "tensormorph"
+VERSION = 1
+MANIFEST = "manifest.json"
+SAVE_MARKER = ".tensormorph-save"  # inside a temporary folder: names the save it belongs to
+TEMP_PREFIX = ".tmp-tensormorph-"
+CHECKSUM_BLOCK = 1 << 20  # checksums cover 1 MiB blocks of each chunk, so a partial read can be verified
+CHECKSUM = "crc32c"
+MAX_MANIFEST_BYTES = 1 << 30
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One stored box of a tensor: where its bytes are and their block checksums."""
+
+    file: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    byte_range: tuple[int, int]  # [begin, end) in `file`, absolute
+    block_crc32c: tuple[int, ...]  # one per CHECKSUM_BLOCK of the chunk's bytes
+    rank: int
+    holders: tuple[int, ...] = ()  # every rank that held an identical copy (replicas are stored once)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "offsets": list(self.offsets), "shape": list(self.shape),
+                "byte_range": list(self.byte_range), "crc32c": "".join(f"{c:08x}" for c in self.block_crc32c),
+                "rank": self.rank, "holders": list(self.holders)}
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkRecord, ...]
+    mesh: tuple[int, ...] | None = None  # mesh shape; None for a plain (unsharded) tensor
+    mesh_ranks: tuple[int, ...] | None = None  # the mesh's global ranks, row-major
+    mesh_dim_names: tuple[str, ...] | None = None
+    placements: tuple[str, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape)}
+        if self.mesh is not None:
+            record["mesh"] = {"shape": list(self.mesh), "ranks": list(self.mesh_ranks or ()),
+                              "dim_names": list(self.mesh_dim_names) if self.mesh_dim_names else None}
+            record["placements"] = list(self.placements or ())
+        record["chunks"] = [c.to_json() for c in self.chunks]
+        return record
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    size: int
+    crc32c: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    tensors: dict[str, TensorRecord]
+    objects: dict[str, Any]  # decoded values
+    files: dict[str, FileRecord]
+    world_size: int
+    writer: dict[str, Any] = field(default_factory=dict)
+    created: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "format": FORMAT, "version": VERSION, "created": self.created, "world_size": self.world_size,
+            "writer": self.writer, "checksum": {"algorithm": CHECKSUM, "block": CHECKSUM_BLOCK},
+            "files": {name: {"size": f.size, "crc32c": f"{f.crc32c:08x}", "rank": f.rank}
+                      for name, f in sorted(self.files.items())},
+            "tensors": {name: t.to_json() for name, t in self.tensors.items()},
+            "objects": {name: encode_value(v, name) for name, v in self.objects.items()},
+            "extra": self.extra,
+        }
+        text = json.dumps(body, separators=(",", ":"), allow_nan=False)
+        # the manifest carries its own checksum, over the canonical text before it
+        return json.dumps({"manifest_crc32c": f"{crc32c.crc32c(text.encode()):08x}", "body": json.loads(text)},
+                          separators=(",", ":"), allow_nan=False).encode()
+
+
+# ---- non-tensor values as JSON, with tags for what JSON lacks --------------------------------------------
+
+_TAG = "__tm__"
+
+
+def encode_value(value: Any, where: str) -> Any:
+    """A plain value (numbers, strings, bools, None, bytes, lists, tuples, dicts) as JSON-able data."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return {_TAG: "float", "value": repr(value)}
+    if isinstance(value, (bytes, bytearray)):
+        return {_TAG: "bytes", "value": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, tuple):
+        return {_TAG: "tuple", "value": [encode_value(v, where) for v in value]}
+    if isinstance(value, list):
+        return [encode_value(v, where) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and k != _TAG for k in value):
+            return {k: encode_value(v, where) for k, v in value.items()}
+        return {_TAG: "dict", "value": [[encode_value(k, where), encode_value(v, where)] for k, v in value.items()]}
+    type_name = type(value).__module__ + "." + type(value).__qualname__
+    if hasattr(value, "item") and hasattr(value, "dtype") and getattr(value, "ndim", None) == 0:
+        return encode_value(value.item(), where)  # a numpy scalar
+    raise TypeError(f"state entry {where!r} holds a {type_name}, which is not a tensor or plain data "
+                    "(numbers, strings, bools, None, bytes, lists, tuples, dicts); convert it or call its state_dict()")
+
+
+def decode_value(data: Any) -> Any:
+    if isinstance(data, list):
+        return [decode_value(v) for v in data]
+    if isinstance(data, dict):
+        tag = data.get(_TAG)
+        if tag is None:
+            return {k: decode_value(v) for k, v in data.items()}
+        value = data.get("value")
+        if tag == "float" and value in ("nan", "inf", "-inf"):
+            return float(value)
+        if tag == "bytes" and isinstance(value, str):
+            return base64.b64decode(value, validate=True)
+        if tag == "tuple" and isinstance(value, list):
+            return tuple(decode_value(v) for v in value)
+        if tag == "dict" and isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
+            return {_hashable(decode_value(k)): decode_value(v) for k, v in value}
+        raise ValueError(f"malformed tagged value {data!r}")
+    return data
+
+
+def _hashable(key: Any) -> Any:
+    if isinstance(key, list):
+        raise ValueError("a dict key cannot be a list")
+    return key
+
+
+# ---- reading ------------------------------------------------------------------------------------------
+
+_HEX8 = re.compile(r"^(?:[0-9a-f]{8})*$")
+
+
+def parse(raw: bytes, where: str) -> Manifest:
+    """Validate and decode a manifest; every problem is a HeaderError (ChecksumError when damaged)."""
+    try:
+        outer = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ChecksumError(f"manifest is not valid JSON ({exc}); it is damaged", file=where) from None
+    if not isinstance(outer, dict) or not isinstance(outer.get("body"), dict):
+        raise HeaderError("manifest must be an object with 'manifest_crc32c' and 'body'", file=where)
+    body = outer["body"]
+    text = json.dumps(body, separators=(",", ":"), allow_nan=False)
+    found = f"{crc32c.crc32c(text.encode()):08x}"
+    if outer.get("manifest_crc32c") != found:
+        raise ChecksumError(f"manifest checksum is {found}, the manifest records {outer.get('manifest_crc32c')!r}: "
+                            "the manifest is damaged", file=where)
+    if body.get("format") != FORMAT:
+        raise HeaderError(f"manifest format is {body.get('format')!r}, expected {FORMAT!r}", file=where)
+    if body.get("version") != VERSION:
+        raise HeaderError(f"manifest version {body.get('version')!r} is not supported (this reader knows {VERSION})",
+                          file=where)
+    checksum = body.get("checksum") or {}
+    if checksum.get("algorithm") != CHECKSUM or checksum.get("block") != CHECKSUM_BLOCK:
+        raise HeaderError(f"unsupported checksum scheme {checksum!r}", file=where)
+    world = _int(body.get("world_size"), "world_size", where, minimum=1)
+    files: dict[str, FileRecord] = {}
+    for name, info in _dict(body.get("files"), "files", where).items():
+        info = _dict(info, f"files[{name!r}]", where)
+        files[name] = FileRecord(_int(info.get("size"), "size", where), _hex(info.get("crc32c"), name, where),
+                                 _int(info.get("rank"), "rank", where))
+    tensors = {name: _tensor(name, info, files, where) for name, info in _dict(body.get("tensors"), "tensors", where).items()}
+    objects = {}
+    for name, value in _dict(body.get("objects"), "objects", where).items():
+        try:
+            objects[name] = decode_value(value)
+        except (ValueError, TypeError) as exc:
+            raise HeaderError(f"object value cannot be decoded: {exc}", file=where, tensor=name) from None
+    return Manifest(tensors, objects, files, world, _dict(body.get("writer", {}), "writer", where),
+                    str(body.get("created", "")), _dict(body.get("extra", {}), "extra", where))
+
+
+def _tensor(name: str, info: Any, files: dict[str, FileRecord], where: str) -> TensorRecord:
+    info = _dict(info, "tensor record", where, name)
+    dtype = info.get("dtype")
+    if not isinstance(dtype, str) or dtype not in dtypes.NUMPY_DTYPES:
+        raise HeaderError(f"unknown dtype {dtype!r}", file=where, tensor=name)
+    shape = _shape(info.get("shape"), where, name)
+    itemsize = dtypes.itemsize(dtype)
+    chunks = []
+    for raw in info.get("chunks") if isinstance(info.get("chunks"), list) else _fail("chunks must be a list", where, name):
+        raw = _dict(raw, "chunk", where, name)
+        file = raw.get("file")
+        if file not in files:
+            raise HeaderError(f"chunk names file {file!r}, which the manifest does not list", file=where, tensor=name)
+        offsets, chunk_shape = _shape(raw.get("offsets"), where, name), _shape(raw.get("shape"), where, name)
+        begin, end = (_int(v, "byte_range", where) for v in _pair(raw.get("byte_range"), where, name))
+        nbytes = math.prod(chunk_shape) * itemsize
+        if end - begin != nbytes or end > files[file].size:
+            raise HeaderError(f"chunk at offsets {list(offsets)} has byte range [{begin}, {end}) but needs {nbytes} "
+                              f"bytes inside a {files[file].size}-byte file", file=where, tensor=name)
+        crcs = raw.get("crc32c")
+        blocks = -(-nbytes // CHECKSUM_BLOCK)
+        if not isinstance(crcs, str) or not _HEX8.match(crcs) or len(crcs) != 8 * blocks:
+            raise HeaderError(f"chunk at offsets {list(offsets)} needs {blocks} block checksums", file=where, tensor=name)
+        holders = raw.get("holders", [])
+        if not isinstance(holders, list) or not all(isinstance(h, int) for h in holders):
+            raise HeaderError("chunk holders must be a list of ranks", file=where, tensor=name)
+        chunks.append(ChunkRecord(file, offsets, chunk_shape, (begin, end),
+                                  tuple(int(crcs[i:i + 8], 16) for i in range(0, len(crcs), 8)),
+                                  _int(raw.get("rank"), "rank", where), tuple(holders)))
+    mesh = info.get("mesh")
+    if mesh is None:
+        return TensorRecord(dtype, shape, tuple(chunks))
+    mesh = _dict(mesh, "mesh", where, name)
+    placements = info.get("placements")
+    mesh_shape = _shape(mesh.get("shape"), where, name)
+    if not isinstance(placements, list) or len(placements) != len(mesh_shape) or not all(isinstance(p, str) for p in placements):
+        raise HeaderError(f"placements {placements!r} do not match the mesh {list(mesh_shape)}", file=where, tensor=name)
+    names = mesh.get("dim_names")
+    return TensorRecord(dtype, shape, tuple(chunks), mesh_shape, _shape(mesh.get("ranks", []), where, name),
+                        tuple(names) if isinstance(names, list) else None, tuple(placements))
+
+
+def _fail(reason: str, where: str, name: str | None = None) -> Any:
+    raise HeaderError(reason, file=where, tensor=name)
+
+
+def _dict(value: Any, what: str, where: str, name: str | None = None) -> dict:
+    if not isinstance(value, dict):
+        raise HeaderError(f"{what} must be a JSON object, found {type(value).__name__}", file=where, tensor=name)
+    return value
+
+
+def _int(value: Any, what: str, where: str, minimum: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise HeaderError(f"{what} must be an integer >= {minimum}, found {value!r}", file=where)
+    return value
+
+
+def _hex(value: Any, what: str, where: str) -> int:
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{8}", value):
+        raise HeaderError(f"checksum of {what} must be 8 hex digits, found {value!r}", file=where)
+    return int(value, 16)
+
+
+def _shape(value: Any, where: str, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62
+                                              for v in value):
+        raise HeaderError(f"expected a list of non-negative integers, found {value!r}", file=where, tensor=name)
+    return tuple(value)
+
+
+def _pair(value: Any, where: str, name: str) -> tuple[Any, Any]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise HeaderError(f"byte_range must be [begin, end], found {value!r}", file=where, tensor=name)
+    return value[0], value[1]

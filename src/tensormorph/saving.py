@@ -1,0 +1,126 @@
+"""Writing the Tensormorph format, independent of torch: pieces, writer choice, rank files, manifest.
+
+The distributed save (`tensormorph.distributed`) and the offline resharder
+(`convert --to tensormorph`) both describe what each rank holds as `Piece`s,
+let `plan_writers` pick one writer per distinct box, stream each rank's
+chunks into one safetensors file with `write_rank_file`, and assemble the
+manifest with `build_manifest`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import dtypes
+from .core import Chunk, validate_tiling
+from .errors import ChunkLayoutError, HeaderError
+from .layout import assign_writers
+from .manifest import CHECKSUM_BLOCK, ChunkRecord, FileRecord, Manifest, TensorRecord, rank_file
+from .safetensors_writer import TensorSpec, Written, write_stream
+
+SHARDING_KEY = "DCP_SHARDING_INFO"  # DCP's HuggingFaceStorageReader reads each chunk's offsets from here
+
+Key = tuple[str, tuple[int, ...], tuple[int, ...]]  # (tensor, offsets, shape)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one rank holds of one tensor (metadata only; sent between ranks)."""
+
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    rank: int
+    mesh: tuple[int, ...] | None = None
+    mesh_ranks: tuple[int, ...] | None = None
+    mesh_dim_names: tuple[str, ...] | None = None
+    placements: tuple[str, ...] | None = None
+
+    @property
+    def key(self) -> Key:
+        return self.name, self.offsets, self.shape
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+
+
+def plan_writers(pieces: Iterable[Piece]) -> dict[Key, int]:
+    """One writer rank for every distinct non-empty box (replicas are written once, balanced by bytes).
+
+    Also checks that all ranks agree on each tensor's dtype and global shape and that the boxes tile it.
+    """
+    holders: dict[Key, tuple[int, list[int]]] = {}
+    first: dict[str, Piece] = {}
+    for piece in pieces:
+        seen = first.setdefault(piece.name, piece)
+        if (seen.dtype, seen.global_shape) != (piece.dtype, piece.global_shape):
+            raise HeaderError(f"rank {seen.rank} holds it as {seen.dtype} {list(seen.global_shape)}, rank "
+                              f"{piece.rank} as {piece.dtype} {list(piece.global_shape)}: every rank must agree",
+                              tensor=piece.name)
+        if math.prod(piece.shape) == 0:
+            continue
+        holders.setdefault(piece.key, (piece.nbytes, []))[1].append(piece.rank)
+    by_tensor: dict[str, list[Chunk]] = {}
+    for name, offsets, shape in holders:
+        by_tensor.setdefault(name, []).append(Chunk(offsets, shape, None, None, source=None))  # type: ignore[arg-type]
+    for name, piece in first.items():
+        try:
+            validate_tiling(name, piece.global_shape, by_tensor.get(name, []))
+        except ChunkLayoutError as exc:
+            raise ChunkLayoutError(f"the ranks' shards do not tile the tensor: {exc.reason}", tensor=name) from None
+    return assign_writers(holders)
+
+
+def write_rank_file(f, rank: int, chunks: Sequence[tuple[Piece, Callable[[], Iterable[np.ndarray]]]]) -> Written:
+    """Stream one rank's chunks into a safetensors file (an open binary file object).
+
+    Each chunk is stored under its tensor's name with its global offsets in DCP_SHARDING_INFO,
+    so the file is also a DCP sharded-safetensors file.
+    """
+    info = {piece.name: {"saved_offsets": list(piece.offsets)} for piece, _ in chunks}
+    metadata = {"format": "pt", SHARDING_KEY: json.dumps(info, separators=(",", ":")), "tensormorph_rank": str(rank)}
+    return write_stream(f, [(TensorSpec(p.name, p.dtype, p.shape), blocks()) for p, blocks in chunks], metadata,
+                        checksum_block=CHECKSUM_BLOCK)
+
+
+def build_manifest(pieces: Iterable[Piece], writers: dict[Key, int], written: dict[int, tuple[list[Key], Written]],
+                   objects: dict, world_size: int, extra: dict | None = None) -> Manifest:
+    """The manifest of a save, from every rank's pieces, the writer choice and what each writer wrote."""
+    stored: dict[Key, ChunkRecord] = {}
+    files: dict[str, FileRecord] = {}
+    holders: dict[Key, list[int]] = {}
+    by_name: dict[str, Piece] = {}
+    for piece in pieces:
+        by_name.setdefault(piece.name, piece)
+        holders.setdefault(piece.key, []).append(piece.rank)
+    for rank, (keys, result) in written.items():
+        name = rank_file(rank)
+        files[name] = FileRecord(result.size, result.crc32c, rank)
+        for key, byte_range, crcs in zip(keys, result.ranges, result.block_crc32c):
+            stored[key] = ChunkRecord(name, key[1], key[2], byte_range, tuple(crcs), rank, tuple(sorted(holders[key])))
+    missing = [key for key in writers if key not in stored]
+    if missing:
+        raise HeaderError(f"{len(missing)} chunks were planned but not written, e.g. {missing[0]}")
+    chunks_of: dict[str, list[ChunkRecord]] = {}
+    for key, chunk in stored.items():
+        chunks_of.setdefault(key[0], []).append(chunk)
+    tensors = {}
+    for name, piece in by_name.items():
+        chunks = tuple(sorted(chunks_of.get(name, []), key=lambda c: c.offsets))
+        tensors[name] = TensorRecord(piece.dtype, piece.global_shape, chunks, piece.mesh, piece.mesh_ranks,
+                                     piece.mesh_dim_names, piece.placements)
+    from . import __version__  # the package imports this module's users: look the version up late
+
+    writer = {"tensormorph": __version__, "python": platform.python_version(), "host": platform.node()}
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return Manifest(tensors, objects, files, world_size, writer, created, extra or {})
