@@ -49,6 +49,9 @@ def _metadata_globals() -> dict[tuple[str, str], Any]:
         table[(module, "_MEM_FORMAT_ENCODING")] = int
         table[(module, "MEM_FORMAT_ENCODING")] = int
     table[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = safe_pickle.record_class("_StorageInfo")
+    # Megatron-Core keeps every rank's save plan in Metadata.all_local_plans (to reuse it on the next save)
+    for record in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"):
+        table[("torch.distributed.checkpoint.planner", record)] = safe_pickle.record_class(record)
     table[("torch.serialization", "_get_layout")] = str
     table[("torch", "strided")] = "torch.strided"
     for path_class in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):

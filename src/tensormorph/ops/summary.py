@@ -10,15 +10,25 @@ from .tree import module_tree
 
 
 def split_description(tensor: LogicalTensor) -> str:
-    """How a tensor is stored, in words: file-level shard, placement chunks, or one piece."""
+    """How a tensor is stored, in words: file-level shard, placement chunks, or one piece (and its encoding)."""
+    encoding = stored_encoding(tensor)
+    detail = f", {encoding['description']}" if encoding else ""
     if tensor.is_placement_sharded:
         ranks = sorted({r for c in tensor.chunks for r in c.ranks})
         who = f", ranks {_ranges(ranks)}" if ranks else ""
-        return f"{len(tensor.chunks)} chunks{who}"
+        return f"{len(tensor.chunks)} chunks{who}{detail}"
     if tensor.file_shard is not None:
         k, n = tensor.file_shard
-        return f"shard {k} of {n}"
-    return "whole"
+        return f"shard {k} of {n}{detail}"
+    return f"whole{detail}"
+
+
+def stored_encoding(tensor: LogicalTensor) -> dict[str, Any] | None:
+    """How the stored bytes encode the values when that is not plain `dtype` (GGUF quantized blocks), else None.
+
+    A chunk source that decodes says so through an `encoding` attribute.
+    """
+    return getattr(tensor.chunks[0].source, "encoding", None) if tensor.chunks else None
 
 
 def _ranges(numbers: list[int]) -> str:
@@ -46,6 +56,7 @@ def tensor_record(tensor: LogicalTensor, *, chunks: bool = True) -> dict[str, An
             "mesh_shape": list(tensor.placement.mesh_shape), "placements": list(tensor.placement.placements),
             "mesh_dim_names": list(tensor.placement.mesh_dim_names or [])},
         "chunk_count": len(tensor.chunks),
+        "encoding": stored_encoding(tensor),
     }
     if chunks:
         record["chunks"] = [chunk_record(c) for c in tensor.chunks]
