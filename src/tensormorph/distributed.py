@@ -114,7 +114,6 @@ def _dtensor_types() -> tuple[type, ...]:
 def _local_box(name: str, tensor: torch.Tensor, dtensor: tuple[type, ...]) -> tuple[Box, torch.Tensor, dict]:
     """(the box this rank holds, its local data, mesh facts) of a tensor or DTensor."""
     if dtensor and isinstance(tensor, dtensor[0]):
-        placements = tuple(str(p) for p in tensor.placements)
         for p in tensor.placements:
             kind = type(p).__name__
             if kind == "_StridedShard":
@@ -124,6 +123,7 @@ def _local_box(name: str, tensor: torch.Tensor, dtensor: tuple[type, ...]) -> tu
             if p.is_partial():
                 raise UnsupportedError(f"has placement {p} (Partial): it awaits a reduction and holds no value of "
                                        "its own; reduce it (redistribute to Replicate or Shard) first", tensor=name)
+        placements = tuple(f"Shard({p.dim})" if p.is_shard() else "Replicate()" for p in tensor.placements)
         chunk = tensor.__create_chunk_list__()
         if len(chunk) != 1:
             raise UnsupportedError(f"its local shard is {len(chunk)} boxes; only one box per rank is supported",
@@ -307,7 +307,7 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *, strict: bool = 
             objects = reader.manifest.objects
         else:
             stored = {n: (t.dtype, t.shape) for n, t in checkpoint.tensors.items()}
-            objects = {n: o for n, o in checkpoint.objects.items()}
+            objects = _regroup({n: o.value for n, o in checkpoint.objects.items()}, leaves.objects)
         work = _match(leaves, stored, objects, report, cast)
         if (report.missing or report.unexpected or report.mismatched) and strict:
             raise StateMismatchError(_mismatch_message(report), file=os.fspath(path), missing=report.missing,
@@ -324,7 +324,7 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *, strict: bool = 
         for name, (container, key) in leaves.slots.items():
             if name in objects:
                 value = objects[name]
-                container[key] = value if reader is not None else value.value()
+                container[key] = value if reader is not None else value()
         report.bytes_read = reader.bytes_read if reader is not None else report.bytes_needed
     finally:
         if reader is not None:
@@ -333,6 +333,28 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *, strict: bool = 
             checkpoint.close()
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _regroup(loaders: dict[str, Callable[[], Any]], wanted: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """Other formats (DCP) flatten nested plain values into dotted names; gather them back into one dict
+    for each name the state dict holds whole ("config" from "config.lr", "config.betas", ...)."""
+    grouped = dict(loaders)
+    for name in wanted:
+        if name in loaders:
+            continue
+        parts = {n[len(name) + 1:]: grouped.pop(n) for n in list(grouped) if n.startswith(name + ".")}
+        if parts:
+            def nested(parts: dict[str, Callable[[], Any]] = parts) -> dict[str, Any]:
+                out: dict[str, Any] = {}
+                for path, load in parts.items():
+                    *outer, last = path.split(".")
+                    node = out
+                    for key in outer:
+                        node = node.setdefault(key, {})
+                    node[last] = load()
+                return out
+            grouped[name] = nested
+    return grouped
 
 
 def _match(leaves: _Leaves, stored: dict[str, tuple[str, tuple[int, ...]]], objects: dict[str, Any],
@@ -383,11 +405,13 @@ def _fill(job: tuple[str, Box, torch.Tensor], stored_dtype: str, reader: BoxRead
         index = tuple(slice(o, o + n) for o, n in zip(*box))
         data = checkpoint[name].read(index, budget=max(1, int(np.prod(box[1])) * dtypes.itemsize(stored_dtype)))
     with torch.no_grad():
-        local.copy_(_to_torch(np.ascontiguousarray(data), stored_dtype))
+        local.copy_(_to_torch(data, stored_dtype))
 
 
 def _to_torch(array: np.ndarray, vocabulary: str) -> torch.Tensor:
+    """A torch tensor over the array's bytes (copied when read-only or strided; torch wants writable memory)."""
     torch_dtype = getattr(torch, next(k for k, v in dtypes.TORCH_DTYPE_NAMES.items() if v == vocabulary))
-    raw = torch.from_numpy(array.reshape(-1).view(np.uint8).copy() if not array.flags.writeable else
-                           array.reshape(-1).view(np.uint8))
-    return raw.view(torch_dtype).reshape(array.shape)
+    flat = array.reshape(-1)
+    if not flat.flags.writeable or not flat.flags.c_contiguous:
+        flat = flat.copy()
+    return torch.from_numpy(flat.view(np.uint8)).view(torch_dtype).reshape(array.shape)
