@@ -35,7 +35,7 @@ from ..errors import CheckpointError, HeaderError, MissingFileError, TruncatedFi
 from ..storage import LocalFiles
 
 NAME = "gguf"
-PRIORITY = 20
+PRIORITY = 45  # after the Hugging Face layouts: a model folder often holds a .gguf export beside them
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # version 1 stored counts and lengths as u32; llama.cpp dropped it in 2023
@@ -70,7 +70,8 @@ VALUE_TYPES: dict[int, tuple[str, str | None]] = {
     5: ("INT32", "<i"), 6: ("FLOAT32", "<f"), 7: ("BOOL", "<B"), 8: ("STRING", None), 9: ("ARRAY", None),
     10: ("UINT64", "<Q"), 11: ("INT64", "<q"), 12: ("FLOAT64", "<d"),
 }
-STRING, ARRAY, BOOL, UINT32 = 8, 9, 7, 4
+STRING, ARRAY, BOOL = 8, 9, 7
+_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class LongArray:
 
     def summary(self) -> str:
         items = ", ".join(repr(v) for v in self.head)
-        return f"{self.count} × {VALUE_TYPES[self.item_type][0]} [{items}, …]"
+        return f"{self.count} x {VALUE_TYPES[self.item_type][0]} [{items}, ...]"
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,28 @@ class _Cursor:
         if length > MAX_STRING_BYTES:
             self.fail(HeaderError, f"{what} claims {length} bytes, over the {MAX_STRING_BYTES}-byte limit")
         return self.take(length, what)
+
+    def strings(self, count: int, what: str, *, keep: bool) -> list[str]:
+        """`count` length-prefixed strings, decoded when `keep`, else only walked past (a vocabulary's hot loop)."""
+        out: list[str] = []
+        data, base, unpack = self.data, self.base, _U64.unpack_from  # _ensure extends `data` in place
+        pos = self.pos
+        for _ in range(count):
+            if pos + 8 - base > len(data):
+                self.pos = pos
+                self._ensure(pos + 8, f"the length of {what}")
+            (length,) = unpack(data, pos - base)
+            start, pos = pos + 8, pos + 8 + length
+            if length > MAX_STRING_BYTES:
+                self.pos = start
+                self.fail(HeaderError, f"{what} claims {length} bytes, over the {MAX_STRING_BYTES}-byte limit")
+            if pos - base > len(data) and (keep or pos > min(self.size, MAX_HEADER_BYTES)):
+                self.pos = start
+                self._ensure(pos, what)
+            if keep:
+                out.append(data[start - base:pos - base].decode("utf-8", "backslashreplace"))
+        self.pos = pos
+        return out
 
     def fail(self, kind: type[CheckpointError], message: str) -> NoReturn:
         raise kind(message, file=self.path, tensor=self.tensor)
@@ -204,28 +227,19 @@ def _items(cur: _Cursor, item_type: int, count: int, key: str, depth: int) -> li
         raw = cur.take(count * struct.calcsize(fmt), f"the items of array {key!r}")
         values = np.frombuffer(raw, np.dtype(fmt)).tolist()
         return [bool(v) for v in values] if item_type == BOOL else values
-    return [_value_of(cur, item_type, key, depth + 1) for _ in range(count)]
-
-
-def _value_of(cur: _Cursor, item_type: int, key: str, depth: int) -> Any:
     if item_type == STRING:
-        return cur.string(f"an item of array {key!r}").decode("utf-8", "backslashreplace")
-    return _value(cur, ARRAY, key, depth)
+        return cur.strings(count, f"an item of array {key!r}", keep=True)
+    return [_value(cur, ARRAY, key, depth + 1) for _ in range(count)]
 
 
 def _skip(cur: _Cursor, item_type: int, count: int, key: str) -> None:
     fmt = VALUE_TYPES[item_type][1]
     if fmt is not None:
         cur.take(count * struct.calcsize(fmt), f"the items of array {key!r}")
-        return
-    for _ in range(count):
-        if item_type == STRING:
-            length = cur.unpack("<Q", f"the length of an item of array {key!r}")
-            if length > cur.remaining:
-                cur.fail(TruncatedFileError, f"an item of array {key!r} claims {length} bytes, but only "
-                                             f"{max(cur.remaining, 0)} bytes of header can follow")
-            cur.pos += length
-        else:
+    elif item_type == STRING:
+        cur.strings(count, f"an item of array {key!r}", keep=False)
+    else:
+        for _ in range(count):
             _value(cur, ARRAY, key, 1)
 
 
@@ -358,8 +372,8 @@ class QuantizedBlocks:
         bits = info.type_size * 8 / info.block_size
         return {"format": info.ggml_type, "block_values": info.block_size, "block_bytes": info.type_size,
                 "bits_per_value": bits, "stored_bytes": info.end - info.begin,
-                "description": f"{info.ggml_type} blocks of {info.block_size} values in {info.type_size} B "
-                               f"({bits:g} bits/value), read as F32"}
+                "description": f"{info.ggml_type} ({info.block_size}-value blocks of {info.type_size} B, "
+                               f"{bits:g} bits/value)"}
 
     def array(self) -> np.ndarray:
         """The whole tensor, dequantized."""
