@@ -1,0 +1,23 @@
+"""Placement planner: fit a model across uneven devices, counting weights, KV cache, activations and reserve.
+
+    import tensormorph as tm
+    p = tm.plan("Llama-3-8B", ["cuda:0=24GiB,tflops=165,bw=1000", "cuda:1=12GiB,tflops=70,bw=360"],
+                tm.planner.Workload(context=8192))
+    p.fits, p.bottleneck.reason, p.to_accelerate()
+    p.load("Llama-3-8B")                       # each tensor straight to its device (torch)
+    tm.plan.resident(model)                    # bytes a loaded model holds per device (torch)
+
+Planning reads only metadata and needs numpy alone; `Plan.load` and `resident` import torch.
+"""
+
+from __future__ import annotations
+
+from .result import Bottleneck, DeviceUsage, Plan, Shortfall
+from .runtime import resident
+from .solve import plan
+from .spec import Device, PlanError, Workload, parse_device
+
+plan.resident = resident  # type: ignore[attr-defined]  # tensormorph.plan.resident(model)
+
+__all__ = ["Bottleneck", "Device", "DeviceUsage", "Plan", "PlanError", "Shortfall", "Workload", "parse_device",
+           "plan", "resident"]

@@ -1,0 +1,231 @@
+"""A plan: which device holds what, how full each one is, how fast each stage runs, and what limits it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..core import Checkpoint
+from .spec import Device, PlanError, Workload
+
+if TYPE_CHECKING:
+    from .model import ModelSpec
+
+
+@dataclass(frozen=True)
+class DeviceUsage:
+    """One device's row: bytes by kind, and its stage's work and time per decode step and per prefill."""
+
+    device: Device
+    weights: int
+    kv_cache: int
+    activations: int
+    reserve: int
+    decode_bytes: float  # read per decode step (weights touched + the whole KV cache)
+    decode_flops: float
+    prefill_bytes: float  # read while prefilling the whole prompt of every sequence
+    prefill_flops: float
+    decode_s: float  # compute time per decode step (roofline)
+    prefill_s: float  # compute time for the prefill
+    decode_handoff_s: float  # waiting for activations over links, per decode step
+    prefill_handoff_s: float
+    units: tuple[str, ...] = ()  # modules placed here (pipeline)
+    layers: tuple[int, ...] = ()  # layer numbers placed here (pipeline)
+    share: dict[str, Any] | None = None  # tensor parallel: heads, KV heads and fractions held here
+
+    @property
+    def name(self) -> str:
+        return self.device.name
+
+    @property
+    def used(self) -> int:
+        return self.weights + self.kv_cache + self.activations + self.reserve
+
+    @property
+    def free(self) -> int:
+        return self.device.memory - self.used
+
+    @property
+    def fits(self) -> bool:
+        return self.free >= 0
+
+    @property
+    def decode_stage_s(self) -> float:
+        return self.decode_s + self.decode_handoff_s
+
+    @property
+    def prefill_stage_s(self) -> float:
+        return self.prefill_s + self.prefill_handoff_s
+
+    @property
+    def layer_ranges(self) -> str:
+        """'0-23' or '0-3, 9' for the layers held; '' when none."""
+        runs: list[list[int]] = []
+        for n in self.layers:
+            if runs and n == runs[-1][1] + 1:
+                runs[-1][1] = n
+            else:
+                runs.append([n, n])
+        return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+    def to_dict(self, workload: Workload) -> dict[str, Any]:
+        def phase(compute: float, handoff: float, nbytes: float, flops: float, tokens: int) -> dict[str, Any]:
+            stage = compute + handoff
+            return {"compute_s": compute, "handoff_s": handoff, "stage_s": stage, "bytes": nbytes, "flops": flops,
+                    "tokens_per_s": tokens / stage if stage > 0 else None}
+
+        return {
+            "device": self.name, "memory": self.device.memory, "tflops": self.device.tflops,
+            "bandwidth_gbps": self.device.bandwidth, "weights": self.weights, "kv_cache": self.kv_cache,
+            "activations": self.activations, "reserve": self.reserve, "used": self.used, "free": self.free,
+            "fits": self.fits, "layers": self.layer_ranges, "modules": list(self.units), "share": self.share,
+            "decode": phase(self.decode_s, self.decode_handoff_s, self.decode_bytes, self.decode_flops,
+                            workload.batch),
+            "prefill": phase(self.prefill_s, self.prefill_handoff_s, self.prefill_bytes, self.prefill_flops,
+                             workload.batch * workload.context),
+        }
+
+
+@dataclass(frozen=True)
+class Bottleneck:
+    """The stage that limits the optimised phase, and why."""
+
+    device: str
+    phase: str  # decode or prefill
+    seconds: float
+    limit: str  # memory bandwidth, compute or link
+    reason: str
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """How far a plan is from fitting, and what would make it fit."""
+
+    over: dict[str, int]  # device -> bytes beyond its memory, in the closest placement
+    max_context: int | None  # the longest context that fits, all else unchanged
+    cache_dtype: str | None  # a smaller KV cache dtype that fits at the requested context
+    prefill_chunk: int | None  # a prefill chunk whose smaller activations make it fit
+    more_memory: dict[str, int]  # device -> bytes to add: to one device when the split can change
+
+    @property
+    def total(self) -> int:
+        return sum(self.over.values())
+
+    def suggestions(self) -> list[str]:
+        from ..core import human_bytes
+
+        out = []
+        if self.max_context is not None:
+            out.append(f"a context of at most {self.max_context:,} tokens")
+        if self.cache_dtype is not None:
+            out.append(f"a {self.cache_dtype} KV cache")
+        if self.prefill_chunk is not None:
+            out.append(f"prefill in chunks of {self.prefill_chunk:,} tokens")
+        if self.more_memory:
+            out.append(" and ".join(f"{human_bytes(extra)} more memory on {device}"
+                                    for device, extra in self.more_memory.items()))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"over": dict(self.over), "total": self.total, "max_context": self.max_context,
+                "cache_dtype": self.cache_dtype, "prefill_chunk": self.prefill_chunk,
+                "more_memory": dict(self.more_memory),
+                "suggestions": self.suggestions()}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where every module goes, what each device holds, and the predicted speed.
+
+    `device_map` (pipeline plans) maps module names to device names, the shape accelerate's
+    `device_map` takes; tensor-parallel plans split every layer instead and have none.
+    """
+
+    strategy: str  # pipeline or tensor
+    model: ModelSpec = field(repr=False)
+    workload: Workload
+    devices: tuple[DeviceUsage, ...]
+    device_map: dict[str, str] | None
+    decode_step_s: float  # one decode step of the whole batch through every stage
+    prefill_time_s: float  # prefilling the whole prompt of every sequence, chunks pipelined
+    bottleneck: Bottleneck
+    shortfall: Shortfall | None
+    links: tuple[float, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return all(d.fits for d in self.devices)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.workload.batch / self.decode_step_s
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.workload.batch * self.workload.context / self.prefill_time_s
+
+    def usage(self, device: str) -> DeviceUsage:
+        """The row of one device, by name."""
+        for row in self.devices:
+            if row.name == device:
+                return row
+        raise PlanError(f"no device {device!r} in this plan; it has {', '.join(d.name for d in self.devices)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything in plain JSON types (`tensormorph plan --json` prints this)."""
+        w = self.workload
+        return {
+            "strategy": self.strategy, "fits": self.fits, "model": self.model.summary(),
+            "workload": {"context": w.context, "batch": w.batch, "dtype": self.model.dtype,
+                         "cache_dtype": w.cache_dtype or self.model.act_dtype, "prefill_chunk": w.prefill_chunk,
+                         "optimize": w.optimize},
+            "devices": [d.to_dict(w) for d in self.devices],
+            "links_gbps": list(self.links),
+            "device_map": self.device_map,
+            "overall": {"decode_step_s": self.decode_step_s, "decode_tokens_per_s": self.decode_tokens_per_s,
+                        "prefill_s": self.prefill_time_s, "prefill_tokens_per_s": self.prefill_tokens_per_s},
+            "bottleneck": {"device": self.bottleneck.device, "phase": self.bottleneck.phase,
+                           "seconds": self.bottleneck.seconds, "limit": self.bottleneck.limit,
+                           "reason": self.bottleneck.reason},
+            "shortfall": self.shortfall.to_dict() if self.shortfall else None,
+            "notes": list(self.notes),
+        }
+
+    def to_accelerate(self, devices: Mapping[str, int | str] | None = None) -> dict[str, int | str]:
+        """The device map for accelerate / `from_pretrained(device_map=...)`: cuda:N becomes N.
+
+        `devices` maps plan device names that are not torch devices ("3090") to torch ones (0, "cuda:1").
+        """
+        if self.device_map is None:
+            raise PlanError("a tensor-parallel plan splits every layer across devices; accelerate's device_map "
+                            "places whole modules (plan with strategy='pipeline' for one)")
+        resolved = {d.name: accelerate_device(d.device, devices) for d in self.devices}
+        return {module: resolved[name] for module, name in self.device_map.items()}
+
+    def load(self, checkpoint: str | Path | Checkpoint, model: Any = None, *,
+             devices: Mapping[str, int | str] | None = None) -> Any:
+        """Stream every tensor of `checkpoint` straight to its planned device (torch needed).
+
+        Without `model`, returns {name: tensor on its device}. With a model built without weights
+        (`accelerate.init_empty_weights()` or `torch.device("meta")`), fills it in place, ties its
+        weights, adds accelerate's device hooks so it runs across devices, and returns it.
+        `devices` maps plan device names to torch devices, as for `to_accelerate`.
+        """
+        from .runtime import load_plan
+
+        return load_plan(self, checkpoint, model, devices)
+
+
+def accelerate_device(device: Device, devices: Mapping[str, int | str] | None) -> int | str:
+    """How accelerate names a plan's device: cuda:N as N, other torch names as they are, others via `devices`."""
+    if devices and device.name in devices:
+        return devices[device.name]
+    if device.name.startswith("cuda:"):
+        return int(device.name.split(":")[1])
+    if device.is_torch_device:
+        return device.name
+    raise PlanError(f"device {device.name!r} is not a torch device name; map it, e.g. "
+                    f"to_accelerate({{'{device.name}': 0}})")

@@ -1,0 +1,144 @@
+"""The torch side of a plan: stream a checkpoint onto the planned devices, and measure what a model holds.
+
+torch (and accelerate, to run a model split across devices) is imported only here, inside the functions.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from contextlib import ExitStack
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..core import Checkpoint
+from ..formats import opened
+from .result import accelerate_device
+from .spec import PlanError
+
+if TYPE_CHECKING:
+    from .result import Plan
+
+_TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+                 "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64",
+                 "BOOL": "bool"}
+_PLAN_DTYPES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
+
+
+def resident(model: Any) -> dict[str, int]:
+    """Bytes of parameters and buffers a torch model holds per device ("cuda:0", "cpu"), each storage once.
+
+    Tied weights share a storage and count once; tensors on the meta device hold nothing and are left out.
+    """
+    seen: set[tuple[str, int]] = set()
+    held: dict[str, int] = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if tensor.device.type == "meta":
+            continue
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            held[key[0]] = held.get(key[0], 0) + storage.nbytes()
+    return held
+
+
+def _to_torch(array: np.ndarray, dtype: str) -> Any:
+    import torch
+
+    target = getattr(torch, _TORCH_DTYPES[dtype])
+    if dtype == "BF16" or dtype.startswith("F8"):
+        # ml_dtypes arrays (bf16, fp8) reach torch as raw unsigned integers of the same width
+        raw = array.view({1: np.uint8, 2: np.uint16}[array.dtype.itemsize])
+        return torch.from_numpy(raw).view(target)
+    return torch.from_numpy(array)
+
+
+def load_plan(plan: Plan, checkpoint: str | Path | Checkpoint, model: Any = None,
+              devices: Mapping[str, int | str] | None = None) -> Any:
+    """See `Plan.load`: each tensor is read, cast when the plan set a dtype, and moved to its device alone,
+    so host memory holds one tensor at a time."""
+    import torch
+
+    if plan.device_map is None:
+        raise PlanError("a tensor-parallel plan is loaded by a tensor-parallel runtime (vLLM, llama.cpp "
+                        "--split-mode row); Plan.load places whole modules from a pipeline plan")
+    target = {d.name: _as_torch_device(accelerate_device(d.device, devices)) for d in plan.devices}
+    unit_of = {t.name: u.name for u in plan.model.units for t in u.tensors}
+    tied = {t.name for u in plan.model.units for t in u.tensors if t.tied_to}
+    cast = getattr(torch, _PLAN_DTYPES[plan.workload.dtype]) if plan.workload.dtype else None
+    loaded: dict[str, Any] = {}
+    with ExitStack() as stack:
+        ck = opened(checkpoint, stack)
+        for name, tensor in ck.items():
+            if name not in unit_of:
+                raise PlanError("the checkpoint holds a tensor this plan does not place (was the plan made for "
+                                "another model?)", file=str(ck.path), tensor=name)
+            if name in tied:
+                continue  # the model ties it to the tensor it shares storage with
+            value = _to_torch(tensor.full(force=True), tensor.dtype)
+            if cast is not None and value.is_floating_point():
+                value = value.to(cast)
+            value = value.to(target[plan.device_map[unit_of[name]]])
+            if model is None:
+                loaded[name] = value
+            else:
+                _assign(model, name, value)
+    if model is None:
+        return loaded
+    _finish(model, plan, target, devices)
+    return model
+
+
+def _as_torch_device(device: int | str) -> Any:
+    import torch
+
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
+def _assign(model: Any, name: str, value: Any) -> None:
+    import torch
+
+    module_name, _, leaf = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        raise PlanError(f"the model has no module {module_name!r}", tensor=name) from None
+    if leaf in module._parameters:
+        old = module._parameters[leaf]
+        if old is not None and tuple(old.shape) != tuple(value.shape):
+            raise PlanError(f"the model expects shape {tuple(old.shape)}, the checkpoint holds {tuple(value.shape)}",
+                            tensor=name)
+        module._parameters[leaf] = torch.nn.Parameter(value, requires_grad=bool(old is not None and old.requires_grad
+                                                                                 and value.is_floating_point()))
+    elif leaf in module._buffers:
+        module._buffers[leaf] = value
+    else:
+        raise PlanError(f"the model has no parameter or buffer {leaf!r} in {module_name!r}", tensor=name)
+
+
+def _finish(model: Any, plan: Plan, target: dict[str, Any], devices: Mapping[str, int | str] | None) -> None:
+    """Tie weights, place buffers the checkpoint lacks (rotary tables), and add accelerate's device hooks."""
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise PlanError(f"{len(missing)} parameters are not in the checkpoint, e.g. {missing[0]}")
+    first_layer = target[plan.device_map[plan.model.layers[0].name]]
+    keys = sorted(plan.device_map, key=len, reverse=True)
+    for name, buffer in list(model.named_buffers()):
+        module_name, _, leaf = name.rpartition(".")
+        key = next((k for k in keys if module_name == k or module_name.startswith(k + ".")), None)
+        device = target[plan.device_map[key]] if key is not None else first_layer
+        if buffer.is_meta:
+            raise PlanError(f"buffer {name} is on the meta device and not in the checkpoint: build the model "
+                            "with accelerate.init_empty_weights(), which keeps buffers real")
+        if buffer.device != device:
+            model.get_submodule(module_name)._buffers[leaf] = buffer.to(device)
+    if len(set(target.values())) > 1:
+        from accelerate import dispatch_model
+
+        dispatch_model(model, device_map=plan.to_accelerate(dict(devices or {})))

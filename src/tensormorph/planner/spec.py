@@ -1,0 +1,181 @@
+"""What the planner is told: devices (memory, speed, reserve, link) and the workload.
+
+A device is written as `NAME=MEMORY,tflops=T,bw=B[,reserve=R][,link=L]`, e.g.
+`cuda:0=24GiB,tflops=165,bw=1000`: memory with a unit (GiB/MiB binary, GB/MB
+decimal), compute in TFLOP/s, memory bandwidth in GB/s, the runtime's reserve
+(default 1 GiB on a GPU for the CUDA context, 0 on the CPU) and the bandwidth in
+GB/s of the link to the next device in the list.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from ..errors import CheckpointError
+
+GiB = 1 << 30
+DEFAULT_GPU_RESERVE = GiB
+DEFAULT_LINK_GBPS = 32.0  # PCIe 4.0 x16, the common case in a home server
+
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(:\d+)?$")
+_SIZE = re.compile(r"^([+-]?\d+(?:\.\d*)?|[+-]?\.\d+)\s*([KMGT]i?B|B)$", re.IGNORECASE)
+_SIZE_UNITS = {"B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
+               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+_HOST_DEVICES = ("cpu", "disk", "meta")  # no CUDA context to reserve room for
+_TORCH_DEVICE = re.compile(r"^(cpu|mps|disk|meta|(cuda|xpu|npu|hpu|mlu|musa)(:\d+)?)$")
+
+# bytes per element, by the names users type; fractional for llama.cpp's block-quantised cache types
+ELEMENT_BYTES: dict[str, float] = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "q8_0": 34 / 32, "q4_0": 18 / 32}
+DTYPE_ALIASES = {"f32": "fp32", "float32": "fp32", "float": "fp32", "f16": "fp16", "float16": "fp16",
+                 "half": "fp16", "bfloat16": "bf16", "f8": "fp8", "float8": "fp8", "f8_e4m3": "fp8",
+                 "float8_e4m3fn": "fp8", "f64": "fp64", "float64": "fp64", "q8": "q8_0", "q4": "q4_0"}
+WEIGHT_DTYPES = ("fp64", "fp32", "fp16", "bf16", "fp8")  # what Plan.load can cast floating tensors to
+STORED_DTYPES = {"F64": "fp64", "F32": "fp32", "F16": "fp16", "BF16": "bf16", "F8_E4M3": "fp8", "F8_E5M2": "fp8"}
+
+
+class PlanError(CheckpointError):
+    """A device spec, workload or model the planner cannot work with; the message names the problem."""
+
+
+def parse_size(text: str, what: str) -> int:
+    """'24GiB' -> 25769803776, '500MB' -> 500_000_000. A unit is required: a bare '24' is ambiguous."""
+    match = _SIZE.match(text.strip())
+    if not match:
+        raise PlanError(f"{what}: cannot read size {text!r}; write a number with a unit, e.g. 24GiB or 500MB")
+    value = float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()]
+    if not math.isfinite(value):
+        raise PlanError(f"{what}: size {text!r} is not a finite number")
+    return int(value)
+
+
+def dtype_name(text: str, *, what: str, allowed: tuple[str, ...] = tuple(ELEMENT_BYTES)) -> str:
+    """A dtype as typed by a user ('bfloat16', 'BF16', 'q8_0') in the planner's vocabulary ('bf16')."""
+    key = text.strip().lower()
+    name = DTYPE_ALIASES.get(key, key)
+    if name not in allowed:
+        raise PlanError(f"{what}: unknown dtype {text!r}; use one of {', '.join(allowed)}")
+    return name
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device: memory in bytes, compute in TFLOP/s, memory bandwidth and link to the next device in GB/s."""
+
+    name: str
+    memory: int
+    tflops: float
+    bandwidth: float
+    reserve: int | None = None  # None: 1 GiB on a GPU, 0 on the host
+    link: float | None = None  # GB/s to the next device in the list; None: the plan's default link
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise PlanError(f"device name {self.name!r} is not a name like cuda:0, cpu or gpu1")
+        if self.memory <= 0:
+            raise PlanError(f"device {self.name}: memory must be positive, got {self.memory} bytes")
+        for label, value in (("tflops", self.tflops), ("bw", self.bandwidth), ("link", self.link)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise PlanError(f"device {self.name}: {label} must be a positive number, got {value}")
+        if self.reserve is not None and self.reserve < 0:
+            raise PlanError(f"device {self.name}: reserve must not be negative, got {self.reserve} bytes")
+        if self.reserve_bytes >= self.memory:
+            raise PlanError(f"device {self.name}: the reserve ({self.reserve_bytes} bytes) leaves nothing of its "
+                            f"{self.memory} bytes of memory")
+
+    @property
+    def reserve_bytes(self) -> int:
+        if self.reserve is not None:
+            return self.reserve
+        return 0 if self.name.split(":")[0] in _HOST_DEVICES else DEFAULT_GPU_RESERVE
+
+    @property
+    def is_torch_device(self) -> bool:
+        """Whether the name is one torch and accelerate understand as it stands (cuda:0, cpu, mps...)."""
+        return bool(_TORCH_DEVICE.match(self.name))
+
+    def __str__(self) -> str:
+        text = f"{self.name}={self.memory}B,tflops={self.tflops!r},bw={self.bandwidth!r}"
+        if self.reserve is not None:
+            text += f",reserve={self.reserve}B"
+        if self.link is not None:
+            text += f",link={self.link!r}"
+        return text
+
+
+def parse_device(spec: str) -> Device:
+    """Parse `NAME=MEMORY,tflops=T,bw=B[,reserve=R][,link=L]` (e.g. `cuda:0=24GiB,tflops=165,bw=1000`)."""
+    name, sep, rest = spec.strip().partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise PlanError(f"device {spec!r}: expected NAME=MEMORY,tflops=T,bw=B, e.g. cuda:0=24GiB,tflops=165,bw=1000")
+    memory_text, *options = [part.strip() for part in rest.split(",")]
+    fields: dict[str, str] = {}
+    for option in options:
+        key, eq, value = option.partition("=")
+        key = key.strip().lower()
+        if not eq or key not in ("tflops", "bw", "reserve", "link"):
+            raise PlanError(f"device {name}: unknown option {option!r}; known: tflops=, bw=, reserve=, link=")
+        if key in fields:
+            raise PlanError(f"device {name}: {key}= given twice")
+        fields[key] = value.strip()
+    missing = [k for k in ("tflops", "bw") if k not in fields]
+    if missing:
+        meaning = {"tflops": "tflops= (compute, TFLOP/s)", "bw": "bw= (memory bandwidth, GB/s)"}
+        raise PlanError(f"device {name}: missing {' and '.join(meaning[k] for k in missing)}, "
+                        f"e.g. {name}=24GiB,tflops=165,bw=1000")
+    memory = parse_size(memory_text, f"device {name} memory")
+    if memory <= 0:
+        raise PlanError(f"device {name}: memory must be positive, got {memory_text}")
+    return Device(name=name, memory=memory,
+                  tflops=_number(fields["tflops"], name, "tflops"), bandwidth=_number(fields["bw"], name, "bw"),
+                  reserve=parse_size(fields["reserve"], f"device {name} reserve") if "reserve" in fields else None,
+                  link=_number(fields["link"], name, "link") if "link" in fields else None)
+
+
+def _number(text: str, device: str, key: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise PlanError(f"device {device}: {key}={text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise PlanError(f"device {device}: {key} must be a positive number, got {text}")
+    return value
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What runs: `batch` sequences of `context` tokens, weights in `dtype`, the KV cache in `cache_dtype`.
+
+    `dtype` None keeps the stored (or config) dtype; `cache_dtype` None follows the activations' dtype.
+    `prefill_chunk` caps the tokens per prefill pass (llama.cpp's ubatch, vLLM's chunked prefill); None
+    prefills the whole context at once. `optimize` is the phase whose slowest stage the plan minimises.
+    """
+
+    context: int = 4096
+    batch: int = 1
+    dtype: str | None = None
+    cache_dtype: str | None = None
+    prefill_chunk: int | None = None
+    optimize: str = "decode"
+
+    def __post_init__(self) -> None:
+        for label, value in (("context", self.context), ("batch", self.batch), ("prefill_chunk", self.prefill_chunk)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise PlanError(f"workload: {label} must be a positive integer, got {value!r}")
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", dtype_name(self.dtype, what="workload dtype", allowed=WEIGHT_DTYPES))
+        if self.cache_dtype is not None:
+            object.__setattr__(self, "cache_dtype", dtype_name(self.cache_dtype, what="workload cache_dtype"))
+        if self.optimize not in ("decode", "prefill"):
+            raise PlanError(f"workload: optimize must be 'decode' or 'prefill', got {self.optimize!r}")
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens in one prefill pass (over the whole batch)."""
+        return self.batch * min(self.context, self.prefill_chunk or self.context)
+
+    @property
+    def prefill_passes(self) -> int:
+        return -(-self.context // (self.prefill_chunk or self.context))
