@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -295,21 +296,29 @@ def verify_command(path: str, full: bool, as_json: bool) -> None:
 @main.command("convert")
 @click.argument("source", type=click.Path(exists=True))
 @click.argument("destination", type=click.Path())
-@click.option("--to", "target", type=click.Choice(["safetensors"]), default="safetensors", show_default=True)
+@click.option("--to", "target", type=click.Choice(["safetensors", "tensormorph"]), default="safetensors",
+              show_default=True, help="safetensors: a Hugging Face folder; tensormorph: re-sharded for a mesh.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest shard file (HF units: GB = 10^9).")
+@click.option("--world", "--mesh", "mesh", default="1", show_default=True,
+              help="tensormorph: the world size (4) or mesh shape (2x2) to shard for.")
+@click.option("--placements", default="Shard(0)", show_default=True,
+              help="tensormorph: one placement per mesh dimension, comma-separated: 'Shard(0),Replicate()'.")
 @click.option("--dtype", help="Cast floating-point tensors: bf16, fp16, fp32.")
 @click.option("--rename", "renames", multiple=True, help="Rename output tensors, as for diff: 'model.=' drops a prefix.")
 @click.option("--no-check", is_flag=True, help="Skip diffing the output against the source.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @_fails_cleanly
-def convert_command(source: str, destination: str, target: str, max_shard_size: str, dtype: str | None,
-                    renames: tuple[str, ...], no_check: bool, as_json: bool) -> None:
-    """Write any checkpoint as a Hugging Face safetensors folder, streaming, then verify it."""
+def convert_command(source: str, destination: str, target: str, max_shard_size: str, mesh: str, placements: str,
+                    dtype: str | None, renames: tuple[str, ...], no_check: bool, as_json: bool) -> None:
+    """Write any checkpoint as a Hugging Face safetensors folder, or re-shard it into the Tensormorph
+    format for another world size and placement; streaming, then checked against the source."""
+    split = [p.strip() for p in re.split(r",\s*(?![^()]*\))", placements) if p.strip()]
     with open_checkpoint(source) as ck:
         with _byte_progress("convert", ck.nbytes, enabled=not as_json) as progress:
             task = progress.add_task("convert", total=ck.nbytes)
             result = convert(ck, destination, to=target, max_shard_size=max_shard_size, dtype=dtype,
-                             rename=list(renames), check=not no_check, progress=lambda n: progress.advance(task, n))
+                             rename=list(renames), mesh=mesh, placements=split, check=not no_check,
+                             progress=lambda n: progress.advance(task, n))
     check = result.check
     if as_json:
         _print_json({"destination": str(result.destination), "files": result.files, "tensors": result.tensors,
@@ -319,7 +328,8 @@ def convert_command(source: str, destination: str, target: str, max_shard_size: 
         console.print(f"wrote {result.tensors} tensors, {human_bytes(result.bytes_written)} in {len(result.files)} "
                       f"file(s) to {escape(str(result.destination))}")
         if result.skipped_objects:
-            console.print(f"[yellow]not written[/yellow] (safetensors holds tensors only): "
+            why = "safetensors holds tensors only" if target == "safetensors" else "not plain data"
+            console.print(f"[yellow]not written[/yellow] ({why}): "
                           f"{escape(', '.join(result.skipped_objects))}", highlight=False)
         if check is not None:
             verdict = "[green]matches the source[/green]" if check.identical else "[red]differs from the source[/red]"

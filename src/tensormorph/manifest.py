@@ -177,7 +177,10 @@ def parse(raw: bytes, where: str) -> Manifest:
     if not isinstance(outer, dict) or not isinstance(outer.get("body"), dict):
         raise HeaderError("manifest must be an object with 'manifest_crc32c' and 'body'", file=where)
     body = outer["body"]
-    text = json.dumps(body, separators=(",", ":"), allow_nan=False)
+    try:
+        text = json.dumps(body, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # NaN or Infinity literals: never written by a saver
+        raise HeaderError("manifest holds non-finite numbers, which no saver writes", file=where) from None
     found = f"{crc32c.crc32c(text.encode()):08x}"
     if outer.get("manifest_crc32c") != found:
         raise ChecksumError(f"manifest checksum is {found}, the manifest records {outer.get('manifest_crc32c')!r}: "
@@ -187,7 +190,7 @@ def parse(raw: bytes, where: str) -> Manifest:
     if body.get("version") != VERSION:
         raise HeaderError(f"manifest version {body.get('version')!r} is not supported (this reader knows {VERSION})",
                           file=where)
-    checksum = body.get("checksum") or {}
+    checksum = _dict(body.get("checksum"), "checksum", where)
     if checksum.get("algorithm") != CHECKSUM or checksum.get("block") != CHECKSUM_BLOCK:
         raise HeaderError(f"unsupported checksum scheme {checksum!r}", file=where)
     world = _int(body.get("world_size"), "world_size", where, minimum=1)

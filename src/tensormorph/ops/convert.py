@@ -1,14 +1,19 @@
-"""Convert any readable checkpoint into a Hugging Face style safetensors folder, streaming.
+"""Convert any readable checkpoint, streaming: to a Hugging Face safetensors folder, or re-sharded
+into the Tensormorph format for another world size and placement.
 
-Tensors are written one by one, in blocks no larger than a budget, into
-shards of at most `max_shard_size` (a tensor larger than that gets a shard
-of its own), plus `model.safetensors.index.json` when there is more than one
-shard. The folder is assembled under a temporary name and renamed into place
-when complete, and the result is then diffed against the source.
+Safetensors: tensors are written one by one, in blocks no larger than a
+budget, into shards of at most `max_shard_size` (a tensor larger than that
+gets a shard of its own), plus `model.safetensors.index.json` when there is
+more than one shard. Tensormorph: every rank's file of a save on a mesh
+(`mesh`, `placements`) is written in turn, each chunk read from the source
+in blocks. Either way the folder is assembled under a temporary name and
+renamed into place when complete, and the result is then diffed against the
+source.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -76,47 +81,90 @@ def plan_shards(tensors: list[TensorSpec], max_shard_bytes: int) -> list[list[Te
     return shards
 
 
-def tensor_blocks(tensor: LogicalTensor, dtype: str, block_bytes: int) -> Iterator[np.ndarray]:
-    """The logical tensor's values in C order, block by block, cast to `dtype`."""
+def tensor_blocks(tensor: LogicalTensor, dtype: str, block_bytes: int,
+                  region: tuple[slice, ...] | None = None) -> Iterator[np.ndarray]:
+    """The values of the tensor (or of a box of it) in C order, block by block, cast to `dtype`."""
     target = dtypes.numpy_dtype(dtype)
     limit = max(1, block_bytes // max(tensor.numpy_dtype.itemsize, target.itemsize))
-    for box in split_box(tuple(slice(0, n) for n in tensor.shape), limit):
+    if region is not None and any(s.stop <= s.start for s in region):
+        return
+    for box in split_box(region or tuple(slice(0, n) for n in tensor.shape), limit):
         values = tensor.read(box)
         yield values if values.dtype == target else values.astype(target)
 
 
+TARGETS = ("safetensors", "tensormorph")
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
+    """'4' -> (4,), '2x2' -> (2, 2)."""
+    try:
+        mesh = tuple(int(part) for part in text.lower().split("x"))
+    except ValueError:
+        mesh = ()
+    if not mesh or any(n < 1 for n in mesh):
+        raise CheckpointError(f"cannot read mesh {text!r}: use a world size such as 4, or a shape such as 2x2")
+    return mesh
+
+
 def convert(source: str | Path | Checkpoint, destination: str | Path, *, to: str = "safetensors",
             max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES, dtype: str | None = None,
-            rename: Sequence[str] | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES, check: bool = True,
+            rename: Sequence[str] | None = None, mesh: int | str | Sequence[int] = 1,
+            placements: Sequence[str] = ("Shard(0)",), block_bytes: int = DEFAULT_BLOCK_BYTES, check: bool = True,
             progress: Callable[[int], None] | None = None) -> ConvertResult:
-    """Write `source` as a Hugging Face safetensors folder at `destination` and diff it against the source.
+    """Write `source` at `destination` in the `to` format and diff it against the source.
 
-    `dtype` casts floating-point tensors (integers keep theirs); `rename` rules (as for diff, e.g.
-    'model.=' to drop a wrapper's prefix) give the output names. Non-tensor entries cannot be stored
-    in safetensors and are listed in the result's `skipped_objects`.
+    "safetensors": a Hugging Face folder with shards of at most `max_shard_size`; non-tensor entries
+    cannot be stored there and are listed in the result's `skipped_objects`. "tensormorph": the folder a
+    save on a device mesh of shape `mesh` (a world size, '2x2', or a tuple) with `placements` (one per
+    mesh dimension, e.g. ['Shard(0)', 'Replicate()']) would write, one file per rank; a tensor with too
+    few dimensions for a Shard(d) is replicated along that mesh dimension. `dtype` casts floating-point
+    tensors (integers keep theirs); `rename` rules (as for diff, e.g. 'model.=' to drop a wrapper's
+    prefix) give the output names.
     """
-    if to != "safetensors":
-        raise CheckpointError(f"cannot convert to {to!r}: supported targets are 'safetensors'")
+    if to not in TARGETS:
+        raise CheckpointError(f"cannot convert to {to!r}: supported targets are {', '.join(TARGETS)}")
+    if isinstance(mesh, int):
+        mesh_shape: tuple[int, ...] = (mesh,)
+    elif isinstance(mesh, str):
+        mesh_shape = parse_mesh(mesh)
+    else:
+        mesh_shape = tuple(mesh)
+    if to == "tensormorph" and len(placements) != len(mesh_shape):
+        raise CheckpointError(f"a mesh of shape {list(mesh_shape)} needs {len(mesh_shape)} placement(s), got "
+                              f"{list(placements)}")
     with ExitStack() as stack:
-        return _convert(opened(source, stack), Path(destination), max_shard_size=max_shard_size, dtype=dtype,
-                        rename=rename, block_bytes=block_bytes, check=check, progress=progress)
+        ck = opened(source, stack)
+        destination = Path(destination)
+        if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
+            raise CheckpointError("destination exists and is not an empty folder; choose a new path",
+                                  file=str(destination))
+        target = parse_dtype(dtype) if dtype else None
+        rules = [parse_rename(r) for r in rename or ()]
+        output_names = {original: aligned for aligned, original in aligned_names(list(ck), rules, "a").items()}
+        specs = [TensorSpec(output_names[t.name], target if target and dtypes.is_floating(t.dtype) else t.dtype,
+                            t.shape) for t in ck.values()]
+        source_of = {spec.name: t for spec, t in zip(specs, ck.values())}
+
+        def blocks(spec: TensorSpec, box: tuple[slice, ...] | None = None) -> Iterator[np.ndarray]:
+            for block in tensor_blocks(source_of[spec.name], spec.dtype, block_bytes, box):
+                yield block
+                if progress is not None:
+                    progress(block.nbytes)
+
+        if to == "safetensors":
+            result = _to_safetensors(ck, destination, specs, blocks, max_shard_size)
+        else:
+            result = _to_tensormorph(ck, destination, specs, blocks, mesh_shape, tuple(placements))
+        if check:
+            result.check = diff(ck, destination, cast=target, objects=False, block_bytes=block_bytes,
+                                rename=[f"a:{r}" for r in rename or ()])
+        return result
 
 
-def _convert(ck: Checkpoint, destination: Path, *, max_shard_size: int | str, dtype: str | None,
-             rename: Sequence[str] | None, block_bytes: int, check: bool,
-             progress: Callable[[int], None] | None) -> ConvertResult:
-    if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
-        raise CheckpointError("destination exists and is not an empty folder; choose a new path", file=str(destination))
+def _to_safetensors(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
+                    blocks: Callable[[TensorSpec], Iterator[np.ndarray]], max_shard_size: int | str) -> ConvertResult:
     limit = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
-    target = parse_dtype(dtype) if dtype else None
-
-    def out_dtype(t: LogicalTensor) -> str:
-        return target if target and dtypes.is_floating(t.dtype) else t.dtype
-
-    rules = [parse_rename(r) for r in rename or ()]
-    output_names = {original: aligned for aligned, original in aligned_names(list(ck), rules, "a").items()}
-    specs = [TensorSpec(output_names[t.name], out_dtype(t), t.shape) for t in ck.values()]
-    source_of = {spec.name: t for spec, t in zip(specs, ck.values())}
     shards = plan_shards(specs, limit)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
@@ -125,11 +173,6 @@ def _convert(ck: Checkpoint, destination: Path, *, max_shard_size: int | str, dt
     written = 0
     try:
         for name, shard in zip(names, shards):
-            def blocks(spec: TensorSpec) -> Iterator[np.ndarray]:
-                for block in tensor_blocks(source_of[spec.name], spec.dtype, block_bytes):
-                    yield block
-                    if progress is not None:
-                        progress(block.nbytes)
             written += write_file(staging / name, [(spec, blocks(spec)) for spec in shard], {"format": "pt"})
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
@@ -141,8 +184,65 @@ def _convert(ck: Checkpoint, destination: Path, *, max_shard_size: int | str, dt
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    result = ConvertResult(destination, names, len(specs), written, skipped_objects=list(ck.objects))
-    if check:
-        result.check = diff(ck, destination, cast=target, objects=False, block_bytes=block_bytes,
-                            rename=[f"a:{r}" for r in rename or ()])
-    return result
+    return ConvertResult(destination, names, len(specs), written, skipped_objects=list(ck.objects))
+
+
+def _to_tensormorph(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
+                    blocks: Callable[..., Iterator[np.ndarray]], mesh: tuple[int, ...],
+                    placements: tuple[str, ...]) -> ConvertResult:
+    from ..layout import local_box, parse_placement
+    from ..locations import LocalDestination
+    from ..manifest import rank_file
+    from ..safe_pickle import is_plain
+    from ..saving import Piece, build_manifest, plan_writers, write_rank_file
+
+    for text in placements:
+        parse_placement(text, 8)  # an unknown spelling fails here, before anything is written
+    coordinates = list(itertools.product(*(range(n) for n in mesh)))
+    pieces: list[list[Piece]] = [[] for _ in coordinates]
+    for spec in specs:
+        # a Shard(d) that the tensor has no dimension d for replicates it along that mesh dimension
+        fitted = tuple(p if parse_placement(p, 8) is None or parse_placement(p, 8) < len(spec.shape) else "Replicate()"
+                       for p in placements)
+        for rank, coordinate in enumerate(coordinates):
+            offsets, shape = local_box(spec.shape, mesh, fitted, coordinate)
+            pieces[rank].append(Piece(spec.name, spec.dtype, spec.shape, offsets, shape, rank, mesh,
+                                      tuple(range(len(coordinates))), None, fitted))
+    everyone = [p for ps in pieces for p in ps]
+    writers = plan_writers(everyone)
+    objects, skipped = {}, []
+    for name, entry in ck.objects.items():
+        try:
+            value = entry.value()
+        except CheckpointError:
+            value = None
+            skipped.append(name)
+            continue
+        if is_plain(value):
+            objects[name] = value
+        else:
+            skipped.append(name)
+    target = LocalDestination(destination, overwrite=True)
+    if destination.exists():
+        destination.rmdir()  # checked empty by the caller
+    target.join(target.prepare())
+    written = {}
+    try:
+        for rank, mine in enumerate(pieces):
+            chosen = [p for p in mine if writers.get(p.key) == rank]
+            with target.open(rank_file(rank)) as f:
+                result = write_rank_file(f, rank, [
+                    (p, lambda p=p: blocks(TensorSpec(p.name, p.dtype, p.global_shape),
+                                           tuple(slice(o, o + n) for o, n in zip(p.offsets, p.shape))))
+                    for p in chosen])
+                f.flush()
+                os.fsync(f.fileno())
+            written[rank] = ([p.key for p in chosen], result)
+        manifest = build_manifest(everyone, writers, written, objects, len(coordinates),
+                                  {"converted_from": {"path": str(ck.path), "format": ck.format}})
+        target.commit(manifest.to_bytes())
+    except BaseException:
+        shutil.rmtree(target.work, ignore_errors=True)
+        raise
+    return ConvertResult(destination, sorted(manifest.files), len(specs), sum(r.size for _, r in written.values()),
+                         skipped_objects=skipped)
