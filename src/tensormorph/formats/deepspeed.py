@@ -45,7 +45,8 @@ import numpy as np
 
 from .. import dtypes, safe_pickle, torchzip
 from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray, ObjectEntry, Placement, validate_tiling
-from ..errors import CheckpointError, ChecksumError, HeaderError, MissingFileError, UnsupportedError
+from ..errors import (CheckpointError, HeaderError, MissingFileError, UnsafePickleError,
+                      UnsupportedError)
 from ..storage import LocalFiles
 from .torch_pickle import tensor_chunk
 
@@ -230,6 +231,7 @@ class RankStates:
     state: tuple[dict[str, torchzip.TensorRef], ...]  # per slot: exp_avg, exp_avg_sq, step...
     settings: dict[str, Any]  # the rest of optimizer_state_dict (group_paddings, loss_scaler...)
     param_groups: list[Any]
+    slice_mappings: Any  # stages 1-2: per group, name -> fragment_address(start, numel) on this rank
 
 
 def read_rank_states(files: LocalFiles, name: str, rank: int) -> RankStates:
@@ -260,7 +262,8 @@ def read_rank_states(files: LocalFiles, name: str, rank: int) -> RankStates:
     base = settings.get("optimizer_state_dict" if stage == 3 else "base_optimizer_state")
     per_slot, groups = _slot_states(base, len(flats), path)
     return RankStates(rank, name, stage, counts[0], tuple(flats), per_slot,
-                      {k: v for k, v in settings.items() if k not in FLAT_KEYS}, groups)
+                      {k: v for k, v in settings.items() if k not in FLAT_KEYS}, groups,
+                      settings.get("param_slice_mappings"))
 
 
 def _slot_states(base: Any, slots: int, path: str) -> tuple[tuple[dict[str, torchzip.TensorRef], ...], list[Any]]:
@@ -475,10 +478,11 @@ def open(path: Path) -> Checkpoint:
     ranks = [_read_rank(files, name, r, model, partitioned, len(names)) for r, name in enumerate(names)]
     stage = ranks[0].stage
     for rank in ranks:
-        if rank.stage != stage or rank.partition_count != len(ranks):
-            raise HeaderError(f"says ZeRO stage {rank.stage} over {rank.partition_count} ranks; rank 0 says stage "
-                              f"{stage} and there are {len(ranks)} optimizer-state files",
-                              file=_path(files, rank.file))
+        if rank.partition_count != len(ranks):
+            raise MissingFileError(f"says the states are partitioned over {rank.partition_count} data-parallel ranks, "
+                                   f"but {len(ranks)} optimizer-state files are present", file=_path(files, rank.file))
+        if rank.stage != stage:
+            raise HeaderError(f"says ZeRO stage {rank.stage}, rank 0's file stage {stage}", file=_path(files, rank.file))
     if (stage == 3) != partitioned:
         raise HeaderError(f"the optimizer states are ZeRO stage {stage}, but the model states are saved as for "
                           f"stage {'3' if partitioned else '0-2'}", file=_path(files, model_name))
@@ -568,7 +572,7 @@ def _expected_on(model: ModelStates, rank: int, world: int, partitioned: bool) -
 def _check_mappings(layout: Layout, ranks: list[RankStates], files: LocalFiles) -> None:
     """DeepSpeed also records each rank's share of each parameter (param_slice_mappings): it must agree."""
     for rank in ranks:
-        groups = rank.settings.get("param_slice_mappings")
+        groups = rank.slice_mappings
         if groups is None:
             continue
         if not isinstance(groups, list):
@@ -746,7 +750,7 @@ def _object(name: str, value: Any, file: str, path: str) -> ObjectEntry:
     def loader() -> Any:
         plain = _plainly(value)
         if not safe_pickle.is_plain(plain):
-            raise HeaderError(f"holds {type(value).__name__}, which is not plain data", file=path, tensor=name)
+            raise UnsafePickleError(f"holds a {type(value).__name__}, which is not plain data", file=path, tensor=name)
         return plain
 
     return ObjectEntry(name, None, file, loader=loader)
@@ -768,7 +772,7 @@ def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointE
         path = _path(checkpoint.storage, file)
         try:
             torchzip.check_crc(checkpoint.storage.buffer(file), file=path)
-        except (ChecksumError, CheckpointError) as exc:
+        except CheckpointError as exc:
             yield file, exc
         else:
             yield file, None
