@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Sequence
 
 import crc32c
 import numpy as np
 
 from . import dtypes
-from .errors import ChecksumError, MissingFileError, TruncatedFileError
+from .errors import CheckpointError, ChecksumError, MissingFileError, TruncatedFileError
 from .layout import Box, box_runs, intersect
 from .locations import RemoteFiles
 from .manifest import CHECKSUM_BLOCK, ChunkRecord, Manifest
@@ -34,7 +35,9 @@ class BoxReader:
         self.bytes_read = 0
         self.blocks_verified = 0
         self._fds: dict[str, int] = {}
+        self._rebuilt: dict[str, memoryview] = {}  # damaged data files rebuilt from parity, in memory
         self._lock = threading.Lock()
+        self._restore_lock = threading.Lock()
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -59,13 +62,24 @@ class BoxReader:
             target = out[tuple(slice(o - b, o - b + n) for o, b, n in zip(overlap[0], box[0], overlap[1])) + (Ellipsis,)]
             buffer = target if target.flags.c_contiguous else np.empty(overlap[1], out.dtype)
             starts, run = box_runs(chunk.shape, itemsize, start, overlap[1])
-            self._read_runs(name, chunk, starts, run, memoryview(buffer.reshape(-1).view(np.uint8)))
+            into = memoryview(buffer.reshape(-1).view(np.uint8))
+            try:
+                self._read_runs(name, chunk, starts, run, into)
+            except (MissingFileError, TruncatedFileError, ChecksumError) as damage:
+                if self.manifest.redundancy is None:
+                    raise
+                self._restore(chunk.file, damage)
+                self._read_runs(name, chunk, starts, run, into)
             if buffer is not target:
                 target[...] = buffer
 
     def _read_runs(self, name: str, chunk: ChunkRecord, starts: np.ndarray, run: int, into: memoryview) -> None:
         base = chunk.byte_range[0]
-        if isinstance(self.files, RemoteFiles):
+        rebuilt = self._rebuilt.get(chunk.file)
+        if rebuilt is not None:
+            for i, s in enumerate(starts.tolist()):
+                into[i * run:(i + 1) * run] = rebuilt[base + s:base + s + run]
+        elif isinstance(self.files, RemoteFiles):
             self._fetch_remote(chunk.file, [(base + int(s), base + int(s) + run) for s in starts], into)
         else:
             fd = self._fd(chunk.file)
@@ -76,6 +90,46 @@ class BoxReader:
         if self.verify:
             for i, s in enumerate(starts.tolist()):
                 self._verify(name, chunk, s, into[i * run:(i + 1) * run])
+
+    def _read_range(self, file: str, begin: int, end: int) -> bytes:
+        if isinstance(self.files, RemoteFiles):
+            return self.files.read_ranges(file, [(begin, end)])[0]
+        return self.files.read(file, begin, end - begin)
+
+    def _restore(self, file: str, damage: CheckpointError) -> None:
+        """Rebuild a damaged data file from its stripe (once, under the lock), checked against its CRC-32C."""
+        from .formats.tensormorph import all_files, recover
+
+        with self._restore_lock:
+            if file in self._rebuilt:
+                return
+            records = all_files(self.manifest)
+            intact = {name for name, record in records.items() if name != file and self._intact(name, record)}
+            data = bytearray()
+            record = records[file]
+            try:
+                for piece in recover(self.manifest, file, intact, self._read_range):
+                    data += piece
+                if (len(data), crc32c.crc32c(data)) != (record.size, record.crc32c):
+                    raise CheckpointError("the rebuilt bytes do not match its recorded CRC-32C")
+            except CheckpointError as exc:
+                lost = sorted({n for n, t in self.manifest.tensors.items() for c in t.chunks if c.file == file})
+                raise CheckpointError(
+                    f"{damage.reason}, and it cannot be rebuilt from {self.manifest.redundancy.scheme}: {exc.reason}. "
+                    f"Unrecoverable tensors ({len(lost)}): {', '.join(lost)}", file=self._name(file),
+                    tensor=lost[0] if lost else None) from None
+            warnings.warn(f"{self._name(file)}: {damage.reason}; rebuilt from {self.manifest.redundancy.scheme} "
+                          "redundancy for this load (run `tensormorph repair` to fix the file)", stacklevel=2)
+            self._rebuilt[file] = memoryview(bytes(data))
+
+    def _intact(self, name: str, record) -> bool:
+        try:
+            value = 0
+            for begin in range(0, record.size, 64 * 1024**2):
+                value = crc32c.crc32c(self._read_range(name, begin, min(record.size, begin + 64 * 1024**2)), value)
+        except (MissingFileError, TruncatedFileError, FileNotFoundError):
+            return False
+        return value == record.crc32c
 
     def _fetch_remote(self, file: str, ranges: list[tuple[int, int]], into: memoryview) -> None:
         groups: list[list[tuple[int, int]]] = []

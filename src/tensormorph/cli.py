@@ -6,6 +6,7 @@ import json
 import re
 import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import wraps
 from typing import Any
 
@@ -293,6 +294,30 @@ def verify_command(path: str, full: bool, as_json: bool) -> None:
     sys.exit(0 if report.ok else 1)
 
 
+@main.command("repair")
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@_fails_cleanly
+def repair_command(path: str, as_json: bool) -> None:
+    """Rebuild the damaged files of a Tensormorph checkpoint from its parity or copies, then verify it."""
+    from .ops.repair import repair
+
+    with console.status("repairing", spinner="dots") if not as_json else nullcontext():
+        report = repair(path)
+    if as_json:
+        _print_json(report.to_dict())
+    else:
+        for name in report.repaired:
+            console.print(f"[green]rebuilt[/green] {escape(name)} from {report.scheme}")
+        for name, why in report.unrecoverable.items():
+            console.print(f"[red]unrecoverable[/red] {escape(name)}: {escape(why)}", highlight=False)
+        if not report.repaired and not report.unrecoverable:
+            console.print("nothing to repair: every file matches its checksum")
+        verdict = "[green]ok[/green]" if report.ok else "[red]still damaged[/red]"
+        console.print(f"{verdict}: {escape(report.path)}")
+    sys.exit(0 if report.ok else 1)
+
+
 @main.command("convert")
 @click.argument("source", type=click.Path(exists=True))
 @click.argument("destination", type=click.Path())
@@ -303,13 +328,14 @@ def verify_command(path: str, full: bool, as_json: bool) -> None:
               help="tensormorph: the world size (4) or mesh shape (2x2) to shard for.")
 @click.option("--placements", default="Shard(0)", show_default=True,
               help="tensormorph: one placement per mesh dimension, comma-separated: 'Shard(0),Replicate()'.")
+@click.option("--redundancy", help="tensormorph: Reed-Solomon parity 'rs(4,2)' or copies 'replicate:2'.")
 @click.option("--dtype", help="Cast floating-point tensors: bf16, fp16, fp32.")
 @click.option("--rename", "renames", multiple=True, help="Rename output tensors, as for diff: 'model.=' drops a prefix.")
 @click.option("--no-check", is_flag=True, help="Skip diffing the output against the source.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @_fails_cleanly
 def convert_command(source: str, destination: str, target: str, max_shard_size: str, mesh: str, placements: str,
-                    dtype: str | None, renames: tuple[str, ...], no_check: bool, as_json: bool) -> None:
+                    redundancy: str | None, dtype: str | None, renames: tuple[str, ...], no_check: bool, as_json: bool) -> None:
     """Write any checkpoint as a Hugging Face safetensors folder, or re-shard it into the Tensormorph
     format for another world size and placement; streaming, then checked against the source."""
     split = [p.strip() for p in re.split(r",\s*(?![^()]*\))", placements) if p.strip()]
@@ -317,7 +343,8 @@ def convert_command(source: str, destination: str, target: str, max_shard_size: 
         with _byte_progress("convert", ck.nbytes, enabled=not as_json) as progress:
             task = progress.add_task("convert", total=ck.nbytes)
             result = convert(ck, destination, to=target, max_shard_size=max_shard_size, dtype=dtype,
-                             rename=list(renames), mesh=mesh, placements=split, check=not no_check,
+                             rename=list(renames), mesh=mesh, placements=split, redundancy=redundancy,
+                             check=not no_check,
                              progress=lambda n: progress.advance(task, n))
     check = result.check
     if as_json:

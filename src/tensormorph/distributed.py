@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,8 @@ from .formats import tensormorph as tm_format
 from .layout import Box
 from .locations import RemoteFiles, destination, is_url
 from .manifest import MANIFEST, parse, rank_file
-from .saving import Piece, build_manifest, plan_writers, write_rank_file
+from .redundancy import parse_scheme, write_extras
+from .saving import Piece, build_manifest, plan_writers, redundancy_record, write_rank_file
 from .storage import LocalFiles
 
 __all__ = ["LoadReport", "SaveReport", "load", "save"]
@@ -173,14 +174,18 @@ def _broadcast(value: Any, group: Any) -> Any:
 
 
 def save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
-         storage_options: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> SaveReport:
+         storage_options: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
+         redundancy: str | None = None) -> SaveReport:
     """Save a (nested) state dict of tensors, DTensors and plain values as a Tensormorph checkpoint.
 
     Call it on every rank. Each distinct box is written once, by the least-loaded rank holding it;
     the checkpoint appears under `path` only after every rank's file is durable and the manifest is
     committed. `path` may be a local folder or an fsspec URL (s3://bucket/prefix ...).
+    `redundancy="rs(4,2)"` adds Reed-Solomon parity over stripes of 4 rank files (any 2 of each 6
+    may be lost); `"replicate:2"` stores a second copy of each rank's file, written by a peer rank.
     """
     started = time.perf_counter()
+    scheme = parse_scheme(redundancy) if redundancy else None
     distributed, rank, world = _group_info(process_group)
     leaves = _flatten(state_dict)
     dtensor = _dtensor_types()
@@ -221,10 +226,21 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
     except Exception as exc:  # reported to the committing rank, which then refuses to commit
         result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}")
     results = _all_gather(result, process_group, world) if distributed else [result]
+    errors = [r[1] for r in results if r[0] == "error"]
+
+    extras: list[Any] = []
+    if scheme is not None and not errors:
+        data_files = [(rank_file(r), results[r][2].size) for r in range(world)]
+        try:
+            extras = [("ok", write_extras(scheme, data_files, rank, world, target.read_range,
+                                          target.store))]
+        except Exception as exc:  # as above: the commit is refused
+            extras = [("error", f"rank {rank} writing redundancy: {type(exc).__name__}: {exc}")]
+        extras = _all_gather(extras[0], process_group, world) if distributed else extras
+        errors += [e[1] for e in extras if e[0] == "error"]
 
     status: Any = ("ok", None)
     if rank == 0:
-        errors = [r[1] for r in results if r[0] == "error"]
         if errors:
             status = ("error", "; ".join(errors))
         else:
@@ -234,6 +250,8 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
                     objects.update(r[3])
                 written_by = {i: (r[1], r[2]) for i, r in enumerate(results)}
                 manifest = build_manifest(everyone, writers, written_by, objects, world, extra)
+                if scheme is not None:
+                    manifest = replace(manifest, redundancy=redundancy_record(scheme, manifest.files, extras))
                 target.commit(manifest.to_bytes())
             except (CheckpointError, OSError, TypeError, ValueError) as exc:
                 status = ("error", f"{type(exc).__name__}: {exc}")

@@ -16,6 +16,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, BinaryIO
 
 from .errors import CheckpointError, MissingFileError, TruncatedFileError, UnsafePathError
@@ -67,6 +68,22 @@ class LocalDestination:
         os.fsync(f.fileno())
         f.close()
 
+    def store(self, name: str, chunks: Iterable[bytes]) -> None:
+        """Write one file of this save from a stream of byte strings, durably."""
+        f = self.open(name)
+        try:
+            for chunk in chunks:
+                f.write(chunk)
+        finally:
+            self.finish_file(f)
+
+    def read_range(self, name: str, begin: int, end: int) -> bytes:
+        """Bytes of a file this save wrote (parity is computed from the data files before the commit)."""
+        assert self.work is not None
+        with open(self.work / name, "rb") as f:
+            f.seek(begin)
+            return f.read(end - begin)
+
     def commit(self, manifest: bytes) -> None:
         """Make the save visible: manifest durable, then the folder renamed to its final name."""
         assert self.work is not None
@@ -115,6 +132,18 @@ class FsspecDestination:
     @staticmethod
     def finish_file(f: BinaryIO) -> None:
         f.close()  # completes the upload; an object store has no separate fsync
+
+    def store(self, name: str, chunks: Iterable[bytes]) -> None:
+        """Write one file of this save from a stream of byte strings, durably."""
+        f = self.open(name)
+        try:
+            for chunk in chunks:
+                f.write(chunk)
+        finally:
+            self.finish_file(f)
+
+    def read_range(self, name: str, begin: int, end: int) -> bytes:
+        return self.fs.cat_file(f"{self.root}/{name}", start=begin, end=end)
 
     def commit(self, manifest: bytes) -> None:
         self.fs.pipe_file(f"{self.root}/{MANIFEST}", manifest)

@@ -80,6 +80,26 @@ class FileRecord:
 
 
 @dataclass(frozen=True)
+class Redundancy:
+    """Parity or copies of the data files (see redundancy.py)."""
+
+    scheme: str  # "rs(k,m)" or "replicate:n"
+    segment: int
+    files: dict[str, FileRecord]  # every parity file and copy
+    stripes: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()  # (data files, parity files) per stripe
+
+    def to_json(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"scheme": self.scheme, "segment": self.segment, "files": _files_json(self.files)}
+        if self.stripes:
+            record["stripes"] = [{"data": list(d), "parity": list(p)} for d, p in self.stripes]
+        return record
+
+
+def _files_json(files: dict[str, FileRecord]) -> dict[str, Any]:
+    return {name: {"size": f.size, "crc32c": f"{f.crc32c:08x}", "rank": f.rank} for name, f in sorted(files.items())}
+
+
+@dataclass(frozen=True)
 class Manifest:
     tensors: dict[str, TensorRecord]
     objects: dict[str, Any]  # decoded values
@@ -88,17 +108,19 @@ class Manifest:
     writer: dict[str, Any] = field(default_factory=dict)
     created: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    redundancy: Redundancy | None = None
 
     def to_bytes(self) -> bytes:
         body = {
             "format": FORMAT, "version": VERSION, "created": self.created, "world_size": self.world_size,
             "writer": self.writer, "checksum": {"algorithm": CHECKSUM, "block": CHECKSUM_BLOCK},
-            "files": {name: {"size": f.size, "crc32c": f"{f.crc32c:08x}", "rank": f.rank}
-                      for name, f in sorted(self.files.items())},
+            "files": _files_json(self.files),
             "tensors": {name: t.to_json() for name, t in self.tensors.items()},
             "objects": {name: encode_value(v, name) for name, v in self.objects.items()},
             "extra": self.extra,
         }
+        if self.redundancy is not None:
+            body["redundancy"] = self.redundancy.to_json()
         text = json.dumps(body, separators=(",", ":"), allow_nan=False)
         # the manifest carries its own checksum, over the canonical text before it
         return json.dumps({"manifest_crc32c": f"{crc32c.crc32c(text.encode()):08x}", "body": json.loads(text)},
@@ -194,11 +216,7 @@ def parse(raw: bytes, where: str) -> Manifest:
     if checksum.get("algorithm") != CHECKSUM or checksum.get("block") != CHECKSUM_BLOCK:
         raise HeaderError(f"unsupported checksum scheme {checksum!r}", file=where)
     world = _int(body.get("world_size"), "world_size", where, minimum=1)
-    files: dict[str, FileRecord] = {}
-    for name, info in _dict(body.get("files"), "files", where).items():
-        info = _dict(info, f"files[{name!r}]", where)
-        files[name] = FileRecord(_int(info.get("size"), "size", where), _hex(info.get("crc32c"), name, where),
-                                 _int(info.get("rank"), "rank", where))
+    files = _file_records(body.get("files"), where)
     tensors = {name: _tensor(name, info, files, where) for name, info in _dict(body.get("tensors"), "tensors", where).items()}
     objects = {}
     for name, value in _dict(body.get("objects"), "objects", where).items():
@@ -206,8 +224,46 @@ def parse(raw: bytes, where: str) -> Manifest:
             objects[name] = decode_value(value)
         except (ValueError, TypeError) as exc:
             raise HeaderError(f"object value cannot be decoded: {exc}", file=where, tensor=name) from None
+    redundancy = _redundancy(body["redundancy"], files, where) if "redundancy" in body else None
     return Manifest(tensors, objects, files, world, _dict(body.get("writer", {}), "writer", where),
-                    str(body.get("created", "")), _dict(body.get("extra", {}), "extra", where))
+                    str(body.get("created", "")), _dict(body.get("extra", {}), "extra", where), redundancy)
+
+
+def _file_records(value: Any, where: str) -> dict[str, FileRecord]:
+    files: dict[str, FileRecord] = {}
+    for name, info in _dict(value, "files", where).items():
+        info = _dict(info, f"files[{name!r}]", where)
+        files[name] = FileRecord(_int(info.get("size"), "size", where), _hex(info.get("crc32c"), name, where),
+                                 _int(info.get("rank"), "rank", where))
+    return files
+
+
+def _redundancy(value: Any, data_files: dict[str, FileRecord], where: str) -> Redundancy:
+    from .redundancy import parse_scheme  # the scheme grammar lives with the coder
+    from .errors import CheckpointError
+
+    value = _dict(value, "redundancy", where)
+    try:
+        scheme = parse_scheme(str(value.get("scheme")))
+    except CheckpointError as exc:
+        raise HeaderError(exc.reason, file=where) from None
+    files = _file_records(value.get("files"), where)
+    stripes = []
+    if scheme.kind == "rs":
+        raw = value.get("stripes")
+        if not isinstance(raw, list):
+            raise HeaderError("redundancy stripes must be a list", file=where)
+        for stripe in raw:
+            stripe = _dict(stripe, "stripe", where)
+            data, parity = stripe.get("data"), stripe.get("parity")
+            if (not isinstance(data, list) or not isinstance(parity, list) or not 1 <= len(data) <= scheme.k
+                    or len(parity) != scheme.m or not all(d in data_files for d in data)
+                    or not all(p in files for p in parity)):
+                raise HeaderError(f"a stripe of {str(scheme)} must list 1..{scheme.k} known data files and "
+                                  f"{scheme.m} known parity files, found {stripe!r}", file=where)
+            stripes.append((tuple(data), tuple(parity)))
+    segment = _int(value.get("segment"), "segment", where, minimum=1)
+    return Redundancy(str(scheme), segment, files, tuple(stripes))
 
 
 def _tensor(name: str, info: Any, files: dict[str, FileRecord], where: str) -> TensorRecord:

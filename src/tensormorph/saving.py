@@ -22,7 +22,8 @@ from . import dtypes
 from .core import Chunk, validate_tiling
 from .errors import ChunkLayoutError, HeaderError
 from .layout import assign_writers
-from .manifest import CHECKSUM_BLOCK, ChunkRecord, FileRecord, Manifest, TensorRecord, rank_file
+from .manifest import CHECKSUM_BLOCK, ChunkRecord, FileRecord, Manifest, Redundancy, TensorRecord, rank_file
+from .redundancy import SEGMENT, Scheme, stripes
 from .safetensors_writer import TensorSpec, Written, write_stream
 
 SHARDING_KEY = "DCP_SHARDING_INFO"  # DCP's HuggingFaceStorageReader reads each chunk's offsets from here
@@ -124,3 +125,12 @@ def build_manifest(pieces: Iterable[Piece], writers: dict[Key, int], written: di
     writer = {"tensormorph": __version__, "python": platform.python_version(), "host": platform.node()}
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return Manifest(tensors, objects, files, world_size, writer, created, extra or {})
+
+
+def redundancy_record(scheme: Scheme, data_files: dict[str, FileRecord], extras: Sequence[tuple[str, dict]]) -> Redundancy:
+    """The manifest's redundancy section from every rank's written parity files or copies."""
+    files = {name: FileRecord(size, crc, rank) for rank, (_, done) in enumerate(extras)
+             for name, (size, crc) in done.items()}
+    ordered = sorted((name, record.size) for name, record in data_files.items())
+    layout = tuple((s.data, s.parity) for s in stripes(ordered, scheme.k, scheme.m)) if scheme.kind == "rs" else ()
+    return Redundancy(str(scheme), SEGMENT, files, layout)

@@ -8,7 +8,7 @@ crash, or a rank that died): it is detected, and opening it says so.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import crc32c
@@ -16,7 +16,8 @@ import crc32c
 from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray, ObjectEntry, Placement, validate_tiling
 from ..errors import ChecksumError, CheckpointError, HeaderError, MissingFileError, TruncatedFileError, \
     UncommittedCheckpointError
-from ..manifest import MANIFEST, MAX_MANIFEST_BYTES, SAVE_MARKER, Manifest, TensorRecord, parse
+from ..manifest import MANIFEST, MAX_MANIFEST_BYTES, SAVE_MARKER, FileRecord, Manifest, TensorRecord, parse
+from ..redundancy import Stripe, parse_scheme, rebuild, replica_file
 from ..storage import LocalFiles
 from .. import dtypes
 
@@ -68,18 +69,70 @@ def placement_of(record: TensorRecord) -> Placement | None:
     return Placement(record.mesh, record.placements or (), record.mesh_dim_names)
 
 
+def size_problem(files: LocalFiles, name: str, record: FileRecord) -> CheckpointError | None:
+    """Why a file cannot be what the manifest records, judged by its presence and size alone."""
+    try:
+        size = files.size(name)
+    except MissingFileError:
+        return MissingFileError(f"file of rank {record.rank} is missing", file=str(files.resolve(name)))
+    if size != record.size:
+        error = TruncatedFileError if size < record.size else HeaderError
+        return error(f"is {size} bytes, the manifest records {record.size}", file=str(files.resolve(name)))
+    return None
+
+
+def file_problem(files: LocalFiles, name: str, record: FileRecord) -> CheckpointError | None:
+    """Presence, size, then the CRC-32C of the whole file."""
+    problem = size_problem(files, name, record)
+    if problem is not None:
+        return problem
+    found = file_crc32c(files, name)
+    if found != record.crc32c:
+        return ChecksumError(f"CRC-32C is {found:08x}, the manifest records {record.crc32c:08x}: the file is damaged",
+                             file=str(files.resolve(name)))
+    return None
+
+
+def all_files(manifest: Manifest) -> dict[str, FileRecord]:
+    """Data files, then parity files and copies."""
+    return {**manifest.files, **(manifest.redundancy.files if manifest.redundancy else {})}
+
+
+def recover(manifest: Manifest, lost: str, intact: set[str], read: Callable[[str, int, int], bytes]) -> Iterator[bytes]:
+    """The bytes of file `lost`, rebuilt from parity or a copy; CheckpointError when beyond the redundancy."""
+    plan = manifest.redundancy
+    if plan is None:
+        raise CheckpointError(f"cannot rebuild {lost}: the checkpoint was saved without redundancy")
+    scheme = parse_scheme(plan.scheme)
+    if scheme.kind == "replicate":
+        data = next((d for d in manifest.files for c in range(1, scheme.copies) if lost in (d, replica_file(d, c))), None)
+        if data is None:
+            raise CheckpointError(f"cannot rebuild {lost}: it is not a data file or copy of this checkpoint")
+        sources = [n for n in [data] + [replica_file(data, c) for c in range(1, scheme.copies)] if n != lost and n in intact]
+        if not sources:
+            raise CheckpointError(f"cannot rebuild {lost}: every copy of {data} is damaged or missing")
+        size = all_files(manifest)[lost].size
+        return (read(sources[0], b, min(b + plan.segment, size)) for b in range(0, size, plan.segment))
+    for data, parity in plan.stripes:
+        if lost in data or lost in parity:
+            stripe = Stripe(data, tuple(manifest.files[d].size for d in data), parity)
+            return rebuild(stripe, scheme.k, scheme.m, lost, intact, read, plan.segment)
+    raise CheckpointError(f"cannot rebuild {lost}: no stripe holds it")
+
+
 def open(path: Path) -> Checkpoint:
     root = _root(path)
     files = LocalFiles(root)
     manifest = read_manifest(files, str(root))
+    damaged = {}
     for name, record in manifest.files.items():
-        try:
-            size = files.size(name)
-        except MissingFileError:
-            raise MissingFileError(f"data file of rank {record.rank} is missing", file=str(files.resolve(name))) from None
-        if size != record.size:
-            error = TruncatedFileError if size < record.size else HeaderError
-            raise error(f"is {size} bytes, the manifest records {record.size}", file=str(files.resolve(name)))
+        problem = size_problem(files, name, record)
+        if problem is None:
+            continue
+        if manifest.redundancy is None:
+            raise problem
+        # with parity the checkpoint still opens; reads of this file fail until `tensormorph repair`
+        damaged[name] = problem.reason
     tensors = {}
     for name, record in manifest.tensors.items():
         dtype = dtypes.numpy_dtype(record.dtype)
@@ -91,28 +144,56 @@ def open(path: Path) -> Checkpoint:
     objects = {name: ObjectEntry(name, None, MANIFEST, (lambda v=value: v)) for name, value in manifest.objects.items()}
     metadata = {"format_version": 1, "world_size": manifest.world_size, "writer": manifest.writer,
                 "created": manifest.created, "extra": manifest.extra}
+    if manifest.redundancy is not None:
+        metadata["redundancy"] = manifest.redundancy.scheme
+    if damaged:
+        metadata["damaged_files"] = damaged
     return Checkpoint(path=root, format=NAME, tensors=tensors, objects=objects, metadata=metadata,
                       files=tuple(sorted(manifest.files)), storage=files)
 
 
 def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointError | None]]:
-    """Check every data file against the CRC-32C the manifest records for it, naming the tensors it holds."""
+    """Check every data, parity and copy file against the manifest, saying whether damage is recoverable."""
     files = checkpoint.storage
     manifest = read_manifest(files, str(checkpoint.path))
-    held: dict[str, list[str]] = {}
+    held: dict[str, set[str]] = {}
     for name, record in manifest.tensors.items():
         for chunk in record.chunks:
-            held.setdefault(chunk.file, []).append(name)
-    for name, record in sorted(manifest.files.items()):
-        found = file_crc32c(files, name)
-        if found == record.crc32c:
+            held.setdefault(chunk.file, set()).add(name)
+    problems = {name: file_problem(files, name, record) for name, record in sorted(all_files(manifest).items())}
+    intact = {name for name, problem in problems.items() if problem is None}
+    for name, problem in problems.items():
+        if problem is None:
             yield name, None
             continue
-        tensors = sorted(set(held.get(name, [])))
-        yield name, ChecksumError(
-            f"CRC-32C is {found:08x}, the manifest records {record.crc32c:08x}: the file is damaged "
-            f"(it holds {len(tensors)} chunk(s){': ' + ', '.join(tensors[:5]) if tensors else ''}"
-            f"{' ...' if len(tensors) > 5 else ''})", file=str(files.resolve(name)), tensor=tensors[0] if tensors else None)
+        tensors = sorted(held.get(name, ()))
+        holds = f"; it holds {len(tensors)} chunk(s): {', '.join(tensors[:5])}{' ...' if len(tensors) > 5 else ''}" \
+            if tensors else ""
+        try:
+            _recoverable(manifest, name, intact)
+            verdict = f"; recoverable from {manifest.redundancy.scheme} (tensormorph repair)"
+        except CheckpointError as exc:
+            verdict = f"; not recoverable: {exc.reason}" if manifest.redundancy else ""
+        yield name, type(problem)(problem.reason + holds + verdict, file=problem.file, tensor=tensors[0] if tensors else None)
+
+
+def _recoverable(manifest: Manifest, name: str, intact: set[str]) -> None:
+    """Raise CheckpointError unless `name` can be rebuilt from the intact files."""
+    plan = manifest.redundancy
+    if plan is None:
+        raise CheckpointError("the checkpoint was saved without redundancy")
+    scheme = parse_scheme(plan.scheme)
+    if scheme.kind == "replicate":
+        recover(manifest, name, intact, lambda *_: b"")  # lazy: only checks that an intact copy exists
+        return
+    for data, parity in plan.stripes:
+        if name in data or name in parity:
+            alive = sum(1 for f in data + parity if f in intact and f != name) + (scheme.k - len(data))
+            if alive < scheme.k:
+                raise CheckpointError(f"only {alive} of its stripe's {scheme.k + scheme.m} files are intact, "
+                                      f"{scheme.k} are needed")
+            return
+    raise CheckpointError(f"no stripe holds {name}")
 
 
 def file_crc32c(files: LocalFiles, name: str, piece: int = 64 * 1024**2) -> int:

@@ -21,7 +21,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -110,7 +110,8 @@ def parse_mesh(text: str) -> tuple[int, ...]:
 def convert(source: str | Path | Checkpoint, destination: str | Path, *, to: str = "safetensors",
             max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES, dtype: str | None = None,
             rename: Sequence[str] | None = None, mesh: int | str | Sequence[int] = 1,
-            placements: Sequence[str] = ("Shard(0)",), block_bytes: int = DEFAULT_BLOCK_BYTES, check: bool = True,
+            placements: Sequence[str] = ("Shard(0)",), redundancy: str | None = None,
+            block_bytes: int = DEFAULT_BLOCK_BYTES, check: bool = True,
             progress: Callable[[int], None] | None = None) -> ConvertResult:
     """Write `source` at `destination` in the `to` format and diff it against the source.
 
@@ -119,7 +120,8 @@ def convert(source: str | Path | Checkpoint, destination: str | Path, *, to: str
     save on a device mesh of shape `mesh` (a world size, '2x2', or a tuple) with `placements` (one per
     mesh dimension, e.g. ['Shard(0)', 'Replicate()']) would write, one file per rank; a tensor with too
     few dimensions for a Shard(d) is replicated along that mesh dimension. `dtype` casts floating-point
-    tensors (integers keep theirs); `rename` rules (as for diff, e.g. 'model.=' to drop a wrapper's
+    tensors (integers keep theirs); `redundancy` ("rs(4,2)", "replicate:2") adds parity or copies to a
+    tensormorph output, as tensormorph.save does; `rename` rules (as for diff, e.g. 'model.=' to drop a wrapper's
     prefix) give the output names.
     """
     if to not in TARGETS:
@@ -155,7 +157,7 @@ def convert(source: str | Path | Checkpoint, destination: str | Path, *, to: str
         if to == "safetensors":
             result = _to_safetensors(ck, destination, specs, blocks, max_shard_size)
         else:
-            result = _to_tensormorph(ck, destination, specs, blocks, mesh_shape, tuple(placements))
+            result = _to_tensormorph(ck, destination, specs, blocks, mesh_shape, tuple(placements), redundancy)
         if check:
             result.check = diff(ck, destination, cast=target, objects=False, block_bytes=block_bytes,
                                 rename=[f"a:{r}" for r in rename or ()])
@@ -189,15 +191,17 @@ def _to_safetensors(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
 
 def _to_tensormorph(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
                     blocks: Callable[..., Iterator[np.ndarray]], mesh: tuple[int, ...],
-                    placements: tuple[str, ...]) -> ConvertResult:
+                    placements: tuple[str, ...], redundancy: str | None) -> ConvertResult:
     from ..layout import local_box, parse_placement
     from ..locations import LocalDestination
     from ..manifest import rank_file
     from ..safe_pickle import is_plain
-    from ..saving import Piece, build_manifest, plan_writers, write_rank_file
+    from ..redundancy import parse_scheme, write_extras
+    from ..saving import Piece, build_manifest, plan_writers, redundancy_record, write_rank_file
 
+    scheme = parse_scheme(redundancy) if redundancy else None  # bad spellings fail before anything is written
     for text in placements:
-        parse_placement(text, 8)  # an unknown spelling fails here, before anything is written
+        parse_placement(text, 8)
     coordinates = list(itertools.product(*(range(n) for n in mesh)))
     pieces: list[list[Piece]] = [[] for _ in coordinates]
     for spec in specs:
@@ -240,6 +244,11 @@ def _to_tensormorph(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
             written[rank] = ([p.key for p in chosen], result)
         manifest = build_manifest(everyone, writers, written, objects, len(coordinates),
                                   {"converted_from": {"path": str(ck.path), "format": ck.format}})
+        if scheme is not None:
+            data_files = [(rank_file(r), written[r][1].size) for r in range(len(coordinates))]
+            extras = [("ok", write_extras(scheme, data_files, r, len(coordinates), target.read_range, target.store))
+                      for r in range(len(coordinates))]
+            manifest = replace(manifest, redundancy=redundancy_record(scheme, manifest.files, extras))
         target.commit(manifest.to_bytes())
     except BaseException:
         shutil.rmtree(target.work, ignore_errors=True)

@@ -206,7 +206,7 @@ class PipelineSolver:
             counts = [b - a for a, b in split.ranges]
             for source, target in itertools.permutations(range(len(counts)), 2):
                 moves = [(split.first, split.last, counts)]
-                for moved in {1, counts[source]} - {0}:  # one layer, or all (which saves a hand-off)
+                for moved in {1, counts[source]} if counts[source] else ():  # one layer, or all (saves a hand-off)
                     trial = counts.copy()
                     trial[source] -= moved
                     trial[target] += moved
