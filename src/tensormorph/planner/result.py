@@ -120,7 +120,7 @@ class Shortfall:
         if self.max_context is not None:
             out.append(f"a context of at most {self.max_context:,} tokens")
         if self.cache_dtype is not None:
-            out.append(f"a {self.cache_dtype} KV cache")
+            out.append(f"the KV cache in {self.cache_dtype}")
         if self.prefill_chunk is not None:
             out.append(f"prefill in chunks of {self.prefill_chunk:,} tokens")
         if self.more_memory:

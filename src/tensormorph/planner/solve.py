@@ -258,7 +258,9 @@ def _bottleneck(active: Sequence[DeviceUsage], workload: Workload, strategy: str
             detail += f" (weights {human_bytes(nbytes - worst.kv_cache)}, KV cache {human_bytes(worst.kv_cache)})"
         detail += f" at {device.bandwidth:g} GB/s"
     else:
-        detail = f"computes {flops / 1e12:,.3g} TFLOP {per} at {device.tflops:g} TFLOP/s"
+        tera = flops / 1e12
+        detail = f"computes {tera:,.0f} TFLOP {per}" if tera >= 100 else f"computes {tera:.3g} TFLOP {per}"
+        detail += f" at {device.tflops:g} TFLOP/s"
     reason = f"{device.name} {detail}: {_time(compute)}" + (f" + {_time(handoff)} {waiting}" if handoff else "") \
         + f" ({of})"
     return Bottleneck(device.name, "decode" if decode else "prefill", compute + handoff,
