@@ -83,11 +83,12 @@ def save_worker(rank: int, port: int, out: str, world: int, targets: dict) -> No
     init(rank, world, port)
     state = save_state()
     record = {}
-    for label, (path, options) in targets.items():
+    for label, (path, options, *redundancy) in targets.items():
         if label == "dcp":
             dcp.save(state, checkpoint_id=path)
         else:
-            record[label] = tm.save(state, path, storage_options=options).bytes_written
+            record[label] = tm.save(state, path, storage_options=options,
+                                    redundancy=redundancy[0] if redundancy else None).bytes_written
     _write(out, rank, record)
 
 

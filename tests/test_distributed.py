@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as tmp
+from torch.multiprocessing.spawn import ProcessException
 
 import dist_workers as w
 import tensormorph as tm
@@ -73,7 +74,8 @@ def s3():
 def saved(tmp_path_factory, s3):
     """The 2x2-mesh state saved by 4 ranks: with tm.save locally and to S3, and with dcp.save."""
     root = tmp_path_factory.mktemp("saved")
-    targets = {"local": (str(root / "tm"), None), "s3": ("s3://ckpts/step-1", s3), "dcp": (str(root / "dcp"), None)}
+    targets = {"local": (str(root / "tm"), None), "s3": ("s3://ckpts/step-1", s3), "dcp": (str(root / "dcp"), None),
+               "local_rs": (str(root / "rs"), None, "rs(4,2)"), "s3_rs": ("s3://ckpts/rs", s3, "rs(4,2)")}
     records = _spawn(w.save_worker, 4, root / "results", targets)
     return {"root": root, "targets": targets, "records": records}
 
@@ -216,7 +218,7 @@ def test_a_rank_dying_before_commit_leaves_the_previous_checkpoint_intact(tmp_pa
     path = tmp_path / "ck"
     _spawn(w.plain_save_worker, 2, tmp_path / "first", str(path), (2,))
     before = (path / MANIFEST).read_bytes()
-    with pytest.raises(tmp.ProcessException):  # rank 1 exits mid-write; the spawner then stops rank 0
+    with pytest.raises(ProcessException):  # rank 1 exits mid-write; the spawner then stops rank 0
         _spawn(w.crash_worker, 2, tmp_path / "crash", str(path))
     assert (path / MANIFEST).read_bytes() == before
     state = {"model": {k.split(".", 1)[1]: torch.zeros(s, dtype=getattr(torch, d))
@@ -230,6 +232,38 @@ def test_a_rank_dying_before_commit_leaves_the_previous_checkpoint_intact(tmp_pa
     report = tm.verify(leftovers[0])
     assert [p.kind for p in report.problems] == ["UncommittedCheckpointError"]
     assert "'ck'" in report.problems[0].message
+
+
+def test_parity_written_by_four_ranks_rebuilds_two_lost_files_locally_and_on_s3(saved):
+    import warnings
+
+    import s3fs
+
+    for label in ("local_rs", "s3_rs"):
+        path, options, _ = saved["targets"][label]
+        lost = ["rank-00001.safetensors", "rank-00002.safetensors"]
+        if options is None:
+            manifest = json.loads((Path(path) / MANIFEST).read_text())["body"]
+            for name in lost:
+                (Path(path) / name).unlink()
+        else:
+            fs = s3fs.S3FileSystem(**options)
+            manifest = json.loads(fs.cat_file(f"{path[5:]}/{MANIFEST}"))["body"]
+            for name in lost:
+                fs.rm_file(f"{path[5:]}/{name}")
+        plan = manifest["redundancy"]
+        assert plan["scheme"] == "rs(4,2)" and len({f["rank"] for f in plan["files"].values()}) == 2
+        state = {"model": {}, "opt": {}}
+        for name, (shape, dtype, _, _) in w.SAVE_LAYOUT.items():
+            group, key = name.split(".", 1)
+            state[group][key] = torch.zeros(shape, dtype=getattr(torch, dtype))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tm.load(path, state, strict=False, storage_options=options)
+        assert sum("rebuilt from rs(4,2)" in str(c.message) for c in caught) == 2, label
+        for name in w.SAVE_LAYOUT:
+            group, key = name.split(".", 1)
+            assert torch.equal(state[group][key], w.full_tensor(name)), (label, name)
 
 
 def test_save_refuses_to_replace_a_checkpoint_unless_asked(saved, tmp_path):
