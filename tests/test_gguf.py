@@ -214,6 +214,25 @@ def test_quantized_reads_dequantize_only_the_blocks_needed(single: Path, truth, 
         assert seen == [(1, 68)]  # blocks 0 and 2, not the one between
 
 
+def test_statistics_of_a_quantized_tensor_stream_in_bands(single: Path, truth, monkeypatch) -> None:
+    from tensormorph.ops.stats import tensor_stats
+
+    seen: list[tuple[int, ...]] = []
+    dequantize = gguf.quants.dequantize
+
+    def counting(rows: np.ndarray, qtype: Any) -> np.ndarray:
+        seen.append(rows.shape)
+        return dequantize(rows, qtype)
+
+    monkeypatch.setattr(reader, "_dequantizer", lambda: counting)
+    with tm.open(single) as ck:
+        embed = ck["token_embd.weight"]  # Q4_K, 12 rows of 512 values
+        stats = tensor_stats(embed, block_bytes=2 * 512 * 8)  # bands of two rows
+    values = truth["token_embd.weight"].astype(np.float64)
+    assert (stats.min, stats.max) == (values.min(), values.max())
+    assert len(seen) == 6 and all(shape[0] <= 2 for shape in seen)  # never the whole tensor at once
+
+
 def test_metadata_and_long_arrays(single: Path, split: Path) -> None:
     fields = gguf.GGUFReader(single).fields
     with tm.open(single) as ck:

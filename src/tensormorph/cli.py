@@ -115,7 +115,7 @@ def _columns(rows: list[tuple[str, ...]], right: set[int]) -> str:
 
 
 def _short(value: Any, limit: int = 160) -> str:
-    text = json.dumps(value, default=repr)
+    text = json.dumps(value, default=repr, ensure_ascii=False)
     return text if len(text) <= limit else text[:limit] + " ..."
 
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..core import LogicalTensor
+from ..core import Chunk, LogicalTensor, MappedArray, split_box
 
 DEFAULT_BLOCK_BYTES = 64 * 1024**2
 
@@ -106,6 +106,20 @@ def blocks(array: np.ndarray, block_elements: int) -> Iterator[np.ndarray]:
             yield np.ascontiguousarray(array[start:start + rows]).reshape(-1)
 
 
+def chunk_blocks(tensor: LogicalTensor, chunk: Chunk, block_elements: int) -> Iterator[np.ndarray]:
+    """A chunk's values in pieces of about `block_elements`.
+
+    Memory-mapped chunks are sliced in place; other sources (dequantised GGUF blocks, ZeRO partitions)
+    are read region by region through the tensor, so no chunk is ever materialised whole.
+    """
+    if isinstance(chunk.source, MappedArray):
+        yield from blocks(chunk.read(), block_elements)
+        return
+    box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))
+    for piece in split_box(box, block_elements):
+        yield tensor.read(piece, budget=max(1, block_elements * tensor.numpy_dtype.itemsize * 2)).reshape(-1)
+
+
 def tensor_stats(tensor: LogicalTensor, *, block_bytes: int = DEFAULT_BLOCK_BYTES,
                  progress: Callable[[int], None] | None = None) -> TensorStats:
     """Statistics of one logical tensor, streamed chunk by chunk in blocks of about `block_bytes`."""
@@ -115,7 +129,7 @@ def tensor_stats(tensor: LogicalTensor, *, block_bytes: int = DEFAULT_BLOCK_BYTE
     for chunk in tensor.chunks:
         if chunk.numel == 0:
             continue
-        for block in blocks(chunk.read(), block_elements):
+        for block in chunk_blocks(tensor, chunk, block_elements):
             accumulator.add(block)
             if progress is not None:
                 progress(block.size * itemsize)

@@ -240,7 +240,7 @@ def histogram(tensor: LogicalTensor, low: float, high: float, *, bins: int = 64,
 
     With log=True the bins are log-spaced over |x| (zeros fall in the first bin).
     """
-    from .stats import blocks
+    from .stats import chunk_blocks
 
     if log:
         top = max(abs(low), abs(high))
@@ -252,7 +252,7 @@ def histogram(tensor: LogicalTensor, low: float, high: float, *, bins: int = 64,
     for chunk in tensor.chunks:
         if chunk.numel == 0:
             continue
-        for block in blocks(chunk.read(), max(1, band_bytes // 8)):
+        for block in chunk_blocks(tensor, chunk, max(1, band_bytes // 8)):
             values = _as_float(block)
             values = values[np.isfinite(values)]
             if log:
