@@ -194,3 +194,34 @@ def plain_save_worker(rank: int, port: int, out: str, world: int, path: str, mes
     init(rank, world, port)
     tm.save(save_state(tuple(mesh_shape)), path)
     _write(out, rank, {"saved": True})
+
+
+def hf_load_worker(rank: int, port: int, out: str, world: int, path: str) -> None:
+    """Load a Hugging Face safetensors folder straight into tensor-parallel DTensors ([Shard(0)] / [Shard(1)])."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import tensormorph as tm
+
+    init(rank, world, port)
+    mesh = _mesh((world,))
+    truth = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        truth.update(load_file(str(file)))
+    state, placements = {}, {}
+    for name, tensor in truth.items():
+        dim = 1 if tensor.dim() == 2 and "o_proj" in name else 0  # row- and column-parallel layers
+        state[name] = distribute_tensor(torch.zeros_like(tensor), mesh, [Shard(dim)]) if tensor.dim() else \
+            torch.zeros_like(tensor)
+        placements[name] = dim
+    report = tm.load(path, state)
+    equal = {}
+    for name, tensor in state.items():
+        if hasattr(tensor, "to_local"):
+            chunk = tensor.__create_chunk_list__()[0]
+            expected = truth[name][tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))]
+            equal[name] = bool(torch.equal(tensor.to_local(), expected))
+        else:
+            equal[name] = bool(torch.equal(tensor, truth[name]))
+    _write(out, rank, {"equal": equal, "format": report.format, "tensors": report.tensors_loaded})

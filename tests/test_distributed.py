@@ -132,6 +132,13 @@ def test_reshard_4_to_3_reads_only_the_bytes_each_rank_needs(saved, tmp_path):
         assert local["bytes_needed"] <= local["rchar"] <= 1.05 * local["bytes_needed"], (rank, local)
 
 
+def test_load_a_hugging_face_checkpoint_straight_into_tensor_parallel_dtensors(hf_llama_safetensors, tmp_path):
+    records = _spawn(w.hf_load_worker, 2, tmp_path / "hf", str(hf_llama_safetensors))
+    for record in records:
+        assert record["format"] == "hf-sharded" and record["tensors"] == len(record["equal"]) > 5
+        assert all(record["equal"].values()), record["equal"]
+
+
 def test_load_in_one_process_without_torch_distributed(saved):
     for label, (path, options) in _sources(saved).items():
         state = {"model": {}, "opt": {}, "step": None, "config": None}
