@@ -170,7 +170,7 @@ def test_chunks_say_which_rank_holds_which_range(built: Path) -> None:
             ((3, 2), (1, 4), rank1, (1,)), ((4, 0), (3, 6), rank1, (1,))]
         assert table(ck, "embed.weight") == [((0, 0), (10, 6), rank0, (0,))]
         assert table(ck, "fc2.weight") == [((0, 0), (6, 7), rank1, (1,))]
-        assert ck.metadata["partitions"]["fc1.weight"] == [[0, 0, 20], [1, 20, 42]]
+        assert ck.metadata["partition_sizes"] == [[80], [77]]  # 157 elements, padded to 160, split in two
         assert [c.offsets for c in ck["optimizer.state.fc1.weight.exp_avg"].chunks] == [
             (0, 0), (3, 0), (3, 2), (4, 0)]
         assert str(ck["fc1.weight"].placement) == "mesh(dp=2) [ZeRO-2 flat partition]"
@@ -185,7 +185,7 @@ def test_chunks_say_which_rank_holds_which_range(built: Path) -> None:
         assert table(ck, "fc1.bias") == [((0,), (4,), rank0, (0,)), ((4,), (3,), rank1, (1,))]
         models = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(2)]
         assert table(ck, "norm.weight") == [((0,), (3,), models[0], (0,)), ((3,), (3,), models[1], (1,))]
-        assert ck.metadata["partitions"]["fc1.bias"] == [[0, 0, 4], [1, 4, 7]]
+        assert ck.metadata["partition_sizes"] == [[79], [79]]  # 30 + 21 + 4 + 21 + 3 per rank
         assert "module.embed.weight" not in ck  # ZeRO-3 saves only empty placeholders in the module
 
 
@@ -498,3 +498,73 @@ def test_latest_cannot_point_outside(built: Path, tmp_path: Path) -> None:
     (ckpt / "latest").write_bytes(b"\xff\xfe")
     with pytest.raises(HeaderError, match="not UTF-8"):
         tm.open(ckpt, format="deepspeed")
+
+
+def _rank1_template() -> dict[str, Any]:
+    """zero2_fp32's rank-1 optimizer states, rebuilt from plain data with the real sizes."""
+    import torch
+
+    return {"optimizer_state_dict": {
+        "zero_stage": 2, "partition_count": [2], "single_partition_of_fp32_groups": [torch.zeros(77)],
+        "group_paddings": [3], "param_alignment_paddings": [[0] * 5],
+        "base_optimizer_state": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(80),
+                                               "exp_avg_sq": torch.zeros(80)}},
+                                 "param_groups": [{"lr": 0.01, "params": [0]}]}}}
+
+
+def _paths(tree: Any, prefix: tuple = ()) -> Iterator[tuple]:
+    yield prefix
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _paths(value, prefix + (key,))
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            yield from _paths(value, prefix + (i,))
+
+
+JUNK = st.recursive(st.none() | st.booleans() | st.integers(-3, 200) | st.text(max_size=4),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.integers(0, 2) | st.text(max_size=5),
+                                                                                 inner, max_size=3), max_leaves=6)
+
+
+@pytest.fixture(scope="module")
+def mangle_target(built: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+
+    ckpt = copy_config(built, "zero2_fp32", tmp_path_factory.mktemp("mangled"))
+    torch.save(_rank1_template(), ckpt / TAG / optim_file("zero2_fp32", 1))
+    with tm.open(ckpt) as ck:  # the template itself is a valid rank-1 file
+        assert ck["fc1.bias"].shape == (7,)
+    return ckpt
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_mangled_optimizer_states_fail_cleanly(mangle_target: Path, data: st.DataObject) -> None:
+    """Any value of the optimizer-states tree replaced by junk, a tensor of another shape, or removed: the reader
+    opens it or raises a CheckpointError, never anything else."""
+    import torch
+
+    template = _rank1_template()
+    path = data.draw(st.sampled_from(list(_paths(template))[1:]))
+    parent = template
+    for key in path[:-1]:
+        parent = parent[key]
+    shapes = st.lists(st.integers(0, 90), max_size=2).map(lambda s: torch.zeros(tuple(s)))
+    replacement = data.draw(st.one_of(JUNK, shapes, st.just(KeyError)))
+    if replacement is KeyError:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = replacement
+    torch.save(template, mangle_target / TAG / optim_file("zero2_fp32", 1))
+    try:
+        with tm.open(mangle_target) as ck:
+            for name in ck:
+                ck[name].full()
+            for entry in ck.objects.values():
+                try:
+                    entry.value()
+                except UnsafePickleError:
+                    pass
+    except CheckpointError:
+        pass

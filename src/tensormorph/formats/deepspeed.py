@@ -28,8 +28,8 @@ A parameter is a contiguous range of flat elements, and each rank holds one cont
 Chunks must be boxes, so each piece is cut at row edges into at most 2·ndim − 1 boxes (a partial
 first row, whole rows, a partial last row, recursively), each a memory-mapped view of that rank's
 file with `ranks=(r,)`. A region read therefore touches only the partitions, and bytes, that overlap
-it, and the chunk table says which rank holds which part; metadata["partitions"] gives each master's
-flat ranges per rank.
+it, and the chunk table says which rank holds which part. metadata["partition_sizes"] lists the
+elements of each rank's flat tensors (without DeepSpeed's trailing padding).
 """
 
 from __future__ import annotations
@@ -277,7 +277,13 @@ def _slot_states(base: Any, slots: int, path: str) -> tuple[tuple[dict[str, torc
         states, groups = base, []
     elif isinstance(base, dict) and isinstance(base.get("state"), dict):
         groups = base.get("param_groups") or []
-        ids = [i for g in groups if isinstance(g, dict) for i in g.get("params", [])]
+        if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                                   for g in groups):
+            raise HeaderError("the base optimizer's param_groups should be a list of dicts with a 'params' list",
+                              file=path)
+        ids = [i for g in groups for i in g["params"]]
+        if not all(type(i) is int for i in ids):
+            raise HeaderError(f"the base optimizer's parameter ids should be integers, found {ids[:8]!r}", file=path)
         states = [base["state"].get(i, {}) for i in ids] if ids else list(base["state"].values())
     else:
         raise HeaderError(f"the base optimizer state should be a state dict, found {type(base).__name__}", file=path)
@@ -328,9 +334,10 @@ def zero12_layout(model: ModelStates, ranks: list[RankStates], files: LocalFiles
         _check_partition_sizes(group, sizes, ranks, files)
         starts = [sum(sizes[:r]) for r in range(world)]
         extra = paddings[group] if isinstance(paddings, list) and group < len(paddings) else None
-        if extra is not None and (not isinstance(extra, list) or len(extra) != len(shapes)):
-            raise HeaderError(f"param_alignment_paddings of group {group} should list {len(shapes)} paddings",
-                              file=_path(files, ranks[0].file))
+        if extra is not None and (not isinstance(extra, list) or len(extra) != len(shapes)
+                                  or not all(type(n) is int and n >= 0 for n in extra)):
+            raise HeaderError(f"param_alignment_paddings of group {group} should list {len(shapes)} paddings, "
+                              f"found {str(extra)[:80]}", file=_path(files, ranks[0].file))
         offset = 0
         for index, (name, shape) in enumerate(shapes.items()):
             numel = math.prod(shape)
@@ -354,16 +361,14 @@ def zero12_layout(model: ModelStates, ranks: list[RankStates], files: LocalFiles
 
 
 def _check_partition_sizes(group: int, sizes: list[int], ranks: list[RankStates], files: LocalFiles) -> None:
-    """Every rank's partition of a group is the same size once its padding is counted back in."""
-    padded = []
-    for size, rank in zip(sizes, ranks):
-        pads = rank.settings.get("group_paddings")
-        pad = pads[group] if isinstance(pads, list) and group < len(pads) and type(pads[group]) is int else 0
-        padded.append(size + pad)
+    """Every rank's partition of a group is the same size once its padding (group_paddings) is counted back in;
+    without that record, only the last partition, which holds the padding, may be shorter."""
+    pads = [r.settings.get("group_paddings") for r in ranks]
+    recorded = all(isinstance(p, list) and group < len(p) and type(p[group]) is int for p in pads)
+    padded = [size + (pad[group] if recorded else 0) for size, pad in zip(sizes, pads)]
     for r in range(1, len(ranks)):
-        last = r == len(ranks) - 1
-        if padded[r] != padded[0] and not (last and padded[r] < padded[0] and "group_paddings" not in
-                                           ranks[r].settings):
+        shorter_last = not recorded and r == len(ranks) - 1 and padded[r] < padded[0]
+        if padded[r] != padded[0] and not shorter_last:
             raise HeaderError(f"rank {r}'s partition of group {group} holds {sizes[r]} elements "
                               f"({padded[r]} with padding), rank 0's {sizes[0]} ({padded[0]}): partitions of one "
                               "group must be the same size", file=_path(files, ranks[r].file))
@@ -505,7 +510,7 @@ def open(path: Path) -> Checkpoint:
     tensors.update(_optimizer_state(files, layout, model, ranks, placement))
     frozen = _frozen(files, model, model_names, placement, stage)
     tensors.update(frozen)
-    for name, tensor in module_tensors(files, model, skip_placeholders=True).items():
+    for name, tensor in module_tensors(files, model).items():
         tensors.setdefault(name, tensor)
     aliases = add_aliases(tensors, model.shared)
     tensors = in_model_order(tensors, model)
@@ -515,8 +520,7 @@ def open(path: Path) -> Checkpoint:
     metadata = {
         "zero_stage": stage, "dp_world_size": len(ranks), "tag": folder.name,
         "ds_version": model.entries.get("ds_version"), "aliases": aliases, "frozen": sorted(frozen),
-        "partitions": {name: [[p.rank, p.begin, p.begin + p.count] for p in pieces]
-                       for name, pieces in layout.items()},
+        "partition_sizes": [[flat.shape[0] for flat in rank.flats] for rank in ranks],
     }
     return Checkpoint(path=folder, format=NAME, tensors=tensors, objects=objects, metadata=metadata,
                       files=tuple(dict.fromkeys([*model_names, *names])), storage=files)
@@ -689,7 +693,7 @@ def reshaped(tensor: LogicalTensor, shape: tuple[int, ...]) -> LogicalTensor:
                                                                    chunk.byte_range, view, chunk.ranks),))
 
 
-def module_tensors(files: LocalFiles, model: ModelStates, *, skip_placeholders: bool) -> dict[str, LogicalTensor]:
+def module_tensors(files: LocalFiles, model: ModelStates) -> dict[str, LogicalTensor]:
     """Buffers under their own names; the module's weights as module.<name> (stage-3 placeholders left out)."""
     tensors = {}
     expected = {n: s for shapes in model.param_shapes for n, s in shapes.items()} | model.frozen_shapes
@@ -699,7 +703,7 @@ def module_tensors(files: LocalFiles, model: ModelStates, *, skip_placeholders: 
         if name in model.buffers:
             tensors[name] = LogicalTensor(name, ref.dtype, ref.shape, (tensor_chunk(files, model.file, ref),))
             continue
-        if skip_placeholders and name in expected and ref.shape != expected[name]:
+        if name in expected and ref.shape != expected[name]:
             continue  # ZeRO-3 keeps only an empty placeholder in the module
         full = MODULE_PREFIX + name
         tensors[full] = LogicalTensor(full, ref.dtype, ref.shape, (tensor_chunk(files, model.file, ref),))

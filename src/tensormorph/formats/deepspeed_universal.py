@@ -84,7 +84,7 @@ def open(path: Path) -> Checkpoint:
     objects: dict[str, ObjectEntry] = {}
     metadata: dict[str, Any] = {"tag": folder.name, "aliases": {}}
     if model is not None:
-        for name, tensor in deepspeed.module_tensors(files, model, skip_placeholders=True).items():
+        for name, tensor in deepspeed.module_tensors(files, model).items():
             tensors.setdefault(name, tensor)  # stages 1-2 convert the buffers into zero/ too
         metadata["aliases"] = deepspeed.add_aliases(tensors, model.shared)
         metadata["ds_version"] = model.entries.get("ds_version")
