@@ -88,8 +88,9 @@ class BoxReader:
         with self._lock:
             self.bytes_read += len(starts) * run
         if self.verify:
-            for i, s in enumerate(starts.tolist()):
-                self._verify(name, chunk, s, into[i * run:(i + 1) * run])
+            checked = sum(self._verify(name, chunk, s, into[i * run:(i + 1) * run]) for i, s in enumerate(starts.tolist()))
+            with self._lock:
+                self.blocks_verified += checked
 
     def _read_range(self, file: str, begin: int, end: int) -> bytes:
         if isinstance(self.files, RemoteFiles):
@@ -167,10 +168,11 @@ class BoxReader:
                                          f"{done}", file=str(self.files.resolve(file)))
             done += count
 
-    def _verify(self, name: str, chunk: ChunkRecord, start: int, data: memoryview) -> None:
-        """Check every checksum block lying wholly inside the run [start, start + len(data)) of the chunk."""
+    def _verify(self, name: str, chunk: ChunkRecord, start: int, data: memoryview) -> int:
+        """Check every checksum block lying wholly inside the run [start, start + len(data)) of the chunk;
+        returns how many were checked."""
         nbytes = chunk.byte_range[1] - chunk.byte_range[0]
-        block = -(-start // CHECKSUM_BLOCK)
+        block = first = -(-start // CHECKSUM_BLOCK)
         while block * CHECKSUM_BLOCK < start + len(data):
             begin, end = block * CHECKSUM_BLOCK, min((block + 1) * CHECKSUM_BLOCK, nbytes)
             if end > start + len(data):
@@ -181,8 +183,8 @@ class BoxReader:
                     f"bytes [{chunk.byte_range[0] + begin}, {chunk.byte_range[0] + end}) of the chunk at offsets "
                     f"{list(chunk.offsets)} have CRC-32C {found:08x}, the manifest records "
                     f"{chunk.block_crc32c[block]:08x}: the file is damaged", file=self._name(chunk.file), tensor=name)
-            self.blocks_verified += 1
             block += 1
+        return block - first
 
     def _name(self, file: str) -> str:
         return f"{self.files.url}/{file}" if isinstance(self.files, RemoteFiles) else str(self.files.resolve(file))

@@ -281,6 +281,7 @@ class LoadReport:
     tensors_loaded: int = 0
     bytes_needed: int = 0  # bytes of the boxes this rank holds
     bytes_read: int = 0  # bytes this rank read from the checkpoint's data files
+    blocks_verified: int = 0  # checksum blocks (1 MiB) checked on the way
     seconds: float = 0.0
 
 
@@ -296,7 +297,7 @@ def _open_source(path: str | os.PathLike, storage_options: dict[str, Any] | None
         return None, BoxReader(parse(files.read_all(MANIFEST), where), files, files.url, verify=verify), "tensormorph"
     local = Path(os.fspath(path).removeprefix("file://"))
     if tm_format.detect(local):
-        root = tm_format._root(local)
+        root = tm_format.root_of(local)
         files = LocalFiles(root)
         manifest = tm_format.read_manifest(files, str(root))
         return None, BoxReader(manifest, files, str(root), verify=verify), "tensormorph"
@@ -344,6 +345,7 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *, strict: bool = 
                 value = objects[name]
                 container[key] = value if reader is not None else value()
         report.bytes_read = reader.bytes_read if reader is not None else report.bytes_needed
+        report.blocks_verified = reader.blocks_verified if reader is not None else 0
     finally:
         if reader is not None:
             reader.close()

@@ -25,12 +25,13 @@ NAME = "tensormorph"
 PRIORITY = 5
 
 
-def _root(path: Path) -> Path:
+def root_of(path: Path) -> Path:
+    """The checkpoint folder of a path naming the folder or its manifest."""
     return path.parent if path.is_file() and path.name == MANIFEST else path
 
 
 def detect(path: Path) -> bool:
-    root = _root(path)
+    root = root_of(path)
     if not root.is_dir():
         return False
     if (root / SAVE_MARKER).is_file() and not (root / MANIFEST).exists():
@@ -121,7 +122,7 @@ def recover(manifest: Manifest, lost: str, intact: set[str], read: Callable[[str
 
 
 def open(path: Path) -> Checkpoint:
-    root = _root(path)
+    root = root_of(path)
     files = LocalFiles(root)
     manifest = read_manifest(files, str(root))
     damaged = {}

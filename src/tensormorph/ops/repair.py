@@ -40,7 +40,7 @@ class RepairReport:
 
 def repair(path: str | Path) -> RepairReport:
     """Rebuild every recoverable damaged file of the checkpoint at `path`, then verify it."""
-    root = tm_format._root(Path(path))
+    root = tm_format.root_of(Path(path))
     files = LocalFiles(root)
     manifest = tm_format.read_manifest(files, str(root))
     report = RepairReport(str(root), manifest.redundancy.scheme if manifest.redundancy else None)
