@@ -8,6 +8,7 @@ checkpoints written by `save_pretrained`.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -530,6 +531,23 @@ def test_resident_counts_shared_storage_once_and_skips_meta():
     with torch.device("meta"):
         model.add_module("ghost", torch.nn.Linear(100, 100))
     assert tm.plan.resident(model) == {"cpu": (8 * 4 + 4 + 8) * 4 + 3 * 8}
+
+
+def test_the_viewer_api_plans_a_served_checkpoint(tiny):
+    from starlette.testclient import TestClient
+
+    from tensormorph.server import create_app
+
+    workload = Workload(context=256)
+    devices = tiny_devices(tiny["llama"], (0.75, 0.75), workload)
+    expected = tm.plan(tiny["llama"], devices, workload, link=16).to_dict()
+    with TestClient(create_app([tiny["llama"]])) as client:
+        answer = client.get("/api/plan", params=[("device", d) for d in devices] + [("context", "256"), ("link", "16")])
+        assert answer.status_code == 200 and answer.json() == json.loads(json.dumps(expected))
+        bad = client.get("/api/plan", params={"device": "cuda:0=24GiB,tflops=1"})
+        assert bad.status_code == 400 and bad.json()["error"].startswith("device cuda:0: missing bw=")
+        assert client.get("/api/plan").json()["error"].startswith("parameter 'device' is required")
+        assert "/api/plan" in client.get("/api/openapi.json").json()["paths"]
 
 
 def test_plan_is_importable_without_torch_at_module_level():

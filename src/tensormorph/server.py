@@ -323,6 +323,27 @@ def diff_tile(request: Request) -> Response:
                                       compute))
 
 
+def plan_endpoint(request: Request) -> JSONResponse:
+    """A placement plan of a served checkpoint on the given devices (see docs/plan.md)."""
+    from .planner import Workload, plan
+
+    viewer: Viewer = request.app.state.viewer
+    ck = viewer.checkpoint(request.query_params.get("ck", "a"))
+    devices = request.query_params.getlist("device")
+    if not devices:
+        raise ApiError(400, "parameter 'device' is required, once per device (cuda:0=24GiB,tflops=165,bw=1000)")
+    chunk = request.query_params.get("prefill_chunk")
+    workload = Workload(context=_int(request, "context", 4096), batch=_int(request, "batch", 1),
+                        dtype=request.query_params.get("dtype") or None,
+                        cache_dtype=request.query_params.get("cache_dtype") or None,
+                        prefill_chunk=_int(request, "prefill_chunk") if chunk else None,
+                        optimize=request.query_params.get("optimize", "decode"))
+    link = request.query_params.get("link")
+    result = plan(ck, devices, workload, request.query_params.get("strategy", "pipeline"),
+                  link=_float(request, "link", 0.0) if link else None, uneven=_flag(request, "uneven"))
+    return JSONResponse(_finite(result.to_dict()))
+
+
 def openapi(request: Request) -> JSONResponse:
     return JSONResponse(OPENAPI)
 
@@ -360,6 +381,9 @@ OPENAPI: dict[str, Any] = {
         "/api/checkpoints/{cid}/tile": _operation(tile_endpoint.__doc__ or "", _REGION + ["rank"], binary=True),
         "/api/diff": _operation(diff_endpoint.__doc__ or "", ["atol", "rtol"]),
         "/api/diff/tile": _operation(diff_tile.__doc__ or "", _REGION + ["kind"], binary=True),
+        "/api/plan": _operation(plan_endpoint.__doc__ or "", ["ck", "device", "context", "batch", "strategy",
+                                                               "uneven", "dtype", "cache_dtype", "prefill_chunk",
+                                                               "optimize", "link"]),
     },
 }
 
@@ -396,6 +420,7 @@ def create_app(paths: list[str | Path], *, token: str | None = None, rename: lis
         Route("/api/checkpoints/{cid}/tile", tile_endpoint),
         Route("/api/diff", diff_endpoint),
         Route("/api/diff/tile", diff_tile),
+        Route("/api/plan", plan_endpoint),
         Mount("/", StaticFiles(directory=WEB, html=True), name="page"),
     ]
 

@@ -163,7 +163,7 @@ def load_model(source: Any, dtype: str | None = None) -> ModelSpec:
     """A ModelSpec from a checkpoint path, an open Checkpoint, a folder or file holding only config.json,
     a config dict, or a transformers config object. `dtype` overrides the floating-point weights' dtype."""
     if isinstance(source, Checkpoint):
-        return _from_checkpoint(source, _config_beside(source.path), dtype, source.path.name)
+        return _from_checkpoint(source, _config_beside(source.path), dtype, _display_name(source.path))
     if isinstance(source, Mapping) or hasattr(source, "to_dict"):
         config = dict(source) if isinstance(source, Mapping) else source.to_dict()
         return _from_config(config, dtype, name=None, path=None)
@@ -175,7 +175,13 @@ def load_model(source: Any, dtype: str | None = None) -> ModelSpec:
     if path.is_dir() and detect(path) is None and (path / "config.json").is_file():
         return _from_config(_read_config(path / "config.json"), dtype, name=path.name, path=path)
     with open_checkpoint(path) as ck:
-        return _from_checkpoint(ck, _config_beside(path), dtype, path.resolve().name)
+        return _from_checkpoint(ck, _config_beside(path), dtype, _display_name(path))
+
+
+def _display_name(path: Path) -> str:
+    """A model folder's name, also when given one of its files (model.safetensors says little)."""
+    path = path.resolve()
+    return path.parent.name if path.is_file() and (path.parent / "config.json").is_file() else path.name
 
 
 def _read_config(path: Path) -> dict[str, Any]:

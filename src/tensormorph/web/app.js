@@ -372,6 +372,7 @@ async function boot() {
     if (state.diffSelection) showDiffTensor(state.diffSelection);
     writeRoute();
   });
+  $('plan-link').href = `plan.html${location.search}`;  // the token travels with it
   $('help-button').addEventListener('click', () => { $('help').hidden = !$('help').hidden; });
   $('help').addEventListener('click', (e) => { if (e.target === $('help')) $('help').hidden = true; });
   document.addEventListener('keydown', onKey);

@@ -1,0 +1,144 @@
+// Tensormorph placement planner page: the form's devices and workload go to /api/plan, and the answer is
+// drawn as one stacked bar per device (weights, KV cache, activations, reserve, free), sized by memory.
+
+import { ApiError, apiUrl, getJSON } from './api.js';
+import { bytes, count, el, int } from './format.js';
+
+const $ = (id) => document.getElementById(id);
+
+/** What is on screen, readable by tests through window.tensormorphPlan.state. */
+const state = { checkpoints: [], plan: null, error: null, runs: 0 };
+const SEGMENTS = [['weights', 'weights', 'weights'], ['kv', 'kv_cache', 'KV cache'],
+  ['act', 'activations', 'activations'], ['reserve', 'reserve', 'reserve']];
+
+let resolveReady;
+const ready = new Promise((resolve) => { resolveReady = resolve; });
+
+function request() {
+  const value = (id) => $(id).value.trim();
+  const url = new URL(apiUrl('/api/plan', {
+    ck: value('ck'), context: value('context'), batch: value('batch'), prefill_chunk: value('prefill-chunk'),
+    cache_dtype: value('cache-dtype'), link: value('link'), strategy: value('strategy'), optimize: value('optimize'),
+    uneven: $('uneven').checked ? 1 : null,
+  }), location.href);
+  // repeated, not joined: a device spec holds commas of its own
+  for (const line of $('devices').value.split('\n')) if (line.trim()) url.searchParams.append('device', line.trim());
+  return url;
+}
+
+async function run() {
+  const url = request();
+  try {
+    const response = await fetch(url);
+    const body = await response.json().catch(() => ({ error: `${response.status} ${response.statusText}` }));
+    if (!response.ok) throw new ApiError(response.status, body, url.href);
+    state.plan = body;
+    state.error = null;
+    render(body);
+  } catch (err) {
+    state.plan = null;
+    state.error = err.message;
+    $('plan-bars').replaceChildren();
+    $('plan-overall').replaceChildren();
+    $('plan-notes').replaceChildren();
+    verdict(`Cannot plan: ${err.message}`, 'bad');
+  }
+  state.runs += 1;
+  document.body.dataset.runs = String(state.runs);
+}
+
+function rate(tokens, seconds) {
+  return seconds > 0 ? `${int(Math.round(tokens / seconds))} tok/s` : '–';
+}
+
+function ms(seconds) {
+  if (seconds >= 1) return `${seconds.toFixed(2)} s`;
+  return seconds >= 1e-3 ? `${(seconds * 1e3).toFixed(2)} ms` : `${(seconds * 1e6).toFixed(1)} µs`;
+}
+
+/** A checkpoint's folder name: its path may end at a file as plain as model.safetensors. */
+function modelName(path) {
+  const parts = path.split(/[\\/]/).filter(Boolean);
+  const file = parts.length > 1 && /\.(safetensors|bin|pt|pth|json|gguf)$/.test(parts[parts.length - 1]);
+  return parts[parts.length - (file ? 2 : 1)] || path;
+}
+
+function bar(d, scale) {
+  // widths are shares of the largest memory (or use, when over), so devices compare at a glance
+  const extent = Math.max(d.memory, d.used);
+  const segments = SEGMENTS.map(([kind, key, label]) => el('div', {
+    class: `seg ${kind}`, 'data-kind': kind, 'data-bytes': d[key], title: `${label} ${bytes(d[key])}`,
+    style: { width: `${(100 * d[key]) / extent}%` },
+  }));
+  if (d.free > 0) {
+    segments.push(el('div', { class: 'seg free', 'data-kind': 'free', 'data-bytes': d.free, title: `free ${bytes(d.free)}`,
+      style: { width: `${(100 * d.free) / extent}%` } }));
+  }
+  const track = el('div', { class: 'track', style: { width: `${(100 * extent) / scale}%` } },
+    el('div', { class: `bar${d.fits ? '' : ' over'}`, 'data-testid': 'plan-bar' }, segments));
+  if (!d.fits) {  // hatch what lies beyond the device's memory
+    track.append(el('div', { class: 'seg over over-mark', 'data-kind': 'over', 'data-bytes': -d.free,
+      title: `over by ${bytes(-d.free)}`,
+      style: { position: 'absolute', top: '0', left: `${(100 * d.memory) / extent}%`, width: `${(-100 * d.free) / extent}%` } }));
+  }
+  return track;
+}
+
+function holds(d) {
+  if (d.share) return `${d.share.heads} heads · ${Math.round(d.share.mlp * 100)}% MLP`;
+  const sides = d.modules.filter((m) => !/\.\d+$/.test(m)).map((m) => m.split('.').pop());
+  return [d.layers && `layers ${d.layers}`, ...sides].filter(Boolean).join(' + ') || 'nothing';
+}
+
+function render(p) {
+  const m = p.model;
+  $('plan-model').replaceChildren(el('span', {}, el('b', {}, m.name)), el('span', {}, el('b', {}, count(m.params)), ' params'),
+    el('span', {}, el('b', {}, bytes(m.weight_bytes)), ` ${m.dtype}`), el('span', {}, el('b', {}, int(m.layers)), ' layers'),
+    el('span', {}, `${p.strategy} · ${int(p.workload.context)} × ${p.workload.batch} tokens`));
+  const scale = Math.max(...p.devices.map((d) => Math.max(d.memory, d.used)));
+  $('plan-bars').replaceChildren(...p.devices.map((d) => el('div', {
+    class: 'plan-device', 'data-testid': 'plan-device', 'data-device': d.device,
+  },
+  el('div', { class: 'label' }, d.device, el('small', {}, holds(d))),
+  bar(d, scale),
+  el('div', { class: 'detail' }, `${bytes(d.used)} / ${bytes(d.memory)} · `,
+    d.fits ? `${bytes(d.free)} free` : el('b', { class: 'bad' }, `over by ${bytes(-d.free)}`),
+    ` · decode ${rate(p.workload.batch, d.decode.stage_s)} · prefill ${rate(p.workload.batch * p.workload.context, d.prefill.stage_s)}`))));
+  const o = p.overall;
+  $('plan-overall').replaceChildren(`Overall: decode ${rate(p.workload.batch, o.decode_step_s)} (${ms(o.decode_step_s)} per step), `
+    + `prefill ${rate(p.workload.batch * p.workload.context, o.prefill_s)} (${ms(o.prefill_s)}). `,
+  el('span', { 'data-testid': 'plan-bottleneck' }, `Bottleneck (${p.bottleneck.limit}): ${p.bottleneck.reason}`));
+  if (p.fits) {
+    verdict('Fits.', 'good');
+  } else {
+    const over = Object.entries(p.shortfall.over).map(([name, n]) => `${name} over by ${bytes(n)}`).join(', ');
+    const fixes = p.shortfall.suggestions.length ? ` Would fit with: ${p.shortfall.suggestions.join(' · ')}.` : '';
+    verdict(`Does not fit: ${over}.${fixes}`, 'bad');
+  }
+  $('plan-notes').replaceChildren(...p.notes.map((n) => el('li', {}, n)));
+}
+
+function verdict(text, kind) {
+  const box = $('plan-verdict');
+  box.className = `plan-line ${kind}`;
+  box.textContent = text;
+}
+
+async function boot() {
+  $('viewer-link').href = `./${location.search}`;
+  state.checkpoints = await getJSON('/api/checkpoints');
+  $('ck').replaceChildren(...state.checkpoints.map((c) => el('option', { value: c.id },
+    `${c.id.toUpperCase()} · ${modelName(c.path)}`)));
+  $('plan-form').addEventListener('submit', (e) => { e.preventDefault(); run(); });
+  await run();
+  document.body.dataset.ready = '1';
+  resolveReady(state);
+}
+
+window.tensormorphPlan = { state, ready, run };
+
+boot().catch((err) => {
+  state.error = err.message;
+  document.body.dataset.error = err.message;
+  verdict(`Error: ${err.message}`, 'bad');
+});
