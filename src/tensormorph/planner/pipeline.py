@@ -171,7 +171,7 @@ class PipelineSolver:
 
     def least_slowest(self, first: int, last: int, memory: Sequence[int], beat: float = math.inf) -> Split | None:
         """The split with the least slowest stage (by bisection), or None when it cannot get below `beat`."""
-        found = self.split(min(beat, math.inf), first, last, memory)
+        found = self.split(beat, first, last, memory)
         if found is None:
             return None
         low, high = 0.0, found.slowest

@@ -209,7 +209,8 @@ class Plan:
              devices: Mapping[str, int | str] | None = None) -> Any:
         """Stream every tensor of `checkpoint` straight to its planned device (torch needed).
 
-        Without `model`, returns {name: tensor on its device}. With a model built without weights
+        Without `model`, returns {name: tensor on its device}, a tied head left to share the embedding.
+        With a model built without weights
         (`accelerate.init_empty_weights()` or `torch.device("meta")`), fills it in place, ties its
         weights, adds accelerate's device hooks so it runs across devices, and returns it.
         `devices` maps plan device names to torch devices, as for `to_accelerate`.
