@@ -449,6 +449,9 @@ def flat_chunks(files: LocalFiles, name: str, shape: tuple[int, ...], pieces: li
     chunks = []
     for piece in pieces:
         file, ref = source(piece)
+        if len(ref.shape) != 1 or not ref.is_contiguous:
+            raise HeaderError(f"rank {piece.rank}'s flat tensor {piece.slot} has shape {ref.shape} and stride "
+                              f"{ref.stride}; expected a contiguous 1-D tensor", file=_path(files, file), tensor=name)
         if dtype is None:
             dtype = ref.dtype
         elif ref.dtype != dtype:
@@ -484,10 +487,13 @@ def open(path: Path) -> Checkpoint:
     stage = ranks[0].stage
     for rank in ranks:
         if rank.partition_count != len(ranks):
-            raise MissingFileError(f"says the states are partitioned over {rank.partition_count} data-parallel ranks, "
-                                   f"but {len(ranks)} optimizer-state files are present", file=_path(files, rank.file))
+            # fewer files: some rank's save is missing; more: files left over from a save with more ranks
+            error = MissingFileError if rank.partition_count > len(ranks) else HeaderError
+            raise error(f"says the states are partitioned over {rank.partition_count} data-parallel ranks, but "
+                        f"{len(ranks)} optimizer-state files are present", file=_path(files, rank.file))
         if rank.stage != stage:
-            raise HeaderError(f"says ZeRO stage {rank.stage}, rank 0's file stage {stage}", file=_path(files, rank.file))
+            raise HeaderError(f"says ZeRO stage {rank.stage}, rank 0's file stage {stage}",
+                              file=_path(files, rank.file))
     if (stage == 3) != partitioned:
         raise HeaderError(f"the optimizer states are ZeRO stage {stage}, but the model states are saved as for "
                           f"stage {'3' if partitioned else '0-2'}", file=_path(files, model_name))
@@ -657,8 +663,8 @@ def _frozen(files: LocalFiles, model: ModelStates, model_names: list[str], place
             if begin != numel:
                 raise HeaderError(f"the ranks' fragments hold {begin} of its {numel} elements",
                                   file=_path(files, per_rank[-1].file), tensor=name)
-            dtype, chunks = flat_chunks(files, name, shape, pieces,
-                                        lambda p, n=name: (per_rank[p.rank].file, per_rank[p.rank].frozen_fragments[n]))
+            dtype, chunks = flat_chunks(files, name, shape, pieces, lambda p, n=name: (
+                per_rank[p.rank].file, per_rank[p.rank].frozen_fragments[n]))
             tensors[name] = LogicalTensor(name, dtype, shape, tuple(chunks), placement)
         return tensors
     for name, shape in model.frozen_shapes.items():
