@@ -280,7 +280,7 @@ def test_openapi_lists_every_endpoint(client):
     assert spec["openapi"].startswith("3.")
     assert set(spec["paths"]) == {"/api/checkpoints", "/api/checkpoints/{cid}/summary",
                                   "/api/checkpoints/{cid}/tensor", "/api/checkpoints/{cid}/stats",
-                                  "/api/checkpoints/{cid}/tile", "/api/diff", "/api/diff/tile"}
+                                  "/api/checkpoints/{cid}/tile", "/api/diff", "/api/diff/tile", "/api/plan"}
     tile_parameters = {p["name"] for p in spec["paths"]["/api/checkpoints/{cid}/tile"]["get"]["parameters"]}
     assert tile_parameters >= {"name", "r0", "r1", "c0", "c1", "h", "w", "axes", "fixed", "rank", "exact"}
     assert "application/octet-stream" in spec["paths"]["/api/diff/tile"]["get"]["responses"]["200"]["content"]

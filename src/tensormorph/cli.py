@@ -402,5 +402,10 @@ def view_command(paths: tuple[str, ...], host: str, port: int, renames: tuple[st
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
+from .planner.cli import plan_command  # noqa: E402  (the planner's command lives with the planner)
+
+main.add_command(plan_command)
+
+
 if __name__ == "__main__":
     main()
