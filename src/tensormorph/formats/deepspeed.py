@@ -19,7 +19,7 @@ Names in the logical checkpoint:
 - `optimizer.state.<param>.<key>`: the optimizer state per parameter. Flat state (AdamW's exp_avg and
   exp_avg_sq) is laid out like the masters; scalars (step) are those of the flat tensor holding the
   parameter's first element.
-- `module.<param>`: stages 0-2, the module's own (bf16/fp16/fp32) weights; stage 3 saves only
+- `module.<param>`: stages 1-2, the module's own (bf16/fp16/fp32) weights; stage 3 saves only
   placeholders, which are left out.
 - Objects: the model-states file's other entries (global_steps, ds_config, lr_scheduler...) and
   `optimizer.<key>` for the optimizer's settings (param_groups, loss_scaler...).
@@ -321,7 +321,7 @@ Layout = dict[str, list[Piece]]
 
 
 def zero12_layout(model: ModelStates, ranks: list[RankStates], files: LocalFiles) -> Layout:
-    """Stages 0-2: each group's partitions, concatenated over ranks, hold its parameters in order."""
+    """Stages 1-2: each group's partitions, concatenated over ranks, hold its parameters in order."""
     world = len(ranks)
     layout: Layout = {}
     for rank in ranks:
@@ -496,7 +496,7 @@ def open(path: Path) -> Checkpoint:
                               file=_path(files, rank.file))
     if (stage == 3) != partitioned:
         raise HeaderError(f"the optimizer states are ZeRO stage {stage}, but the model states are saved as for "
-                          f"stage {'3' if partitioned else '0-2'}", file=_path(files, model_name))
+                          f"stage {'3' if partitioned else '1-2'}", file=_path(files, model_name))
     model_names = [model_name]
     if stage == 3:
         model_names = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(len(ranks))]
