@@ -1,7 +1,7 @@
 """Tensormorph: any sharded checkpoint as one logical checkpoint.
 
     import tensormorph as tm
-    ck = tm.open("ckpts/step-1000")          # DCP, safetensors (sharded or not), torch .bin/.pt ...
+    ck = tm.open("ckpts/step-1000")          # DCP, safetensors, torch .bin/.pt, DeepSpeed, GGUF ...
     w = ck["model.layers.0.attn.wq.weight"]
     w.shape, w.dtype, w.chunks               # logical view and how it is stored
     w[0:4, 100:108]                          # reads only the bytes it needs
@@ -29,8 +29,9 @@ __version__ = "0.1.0"
 def open(path: str | Path, format: str | None = None, *, read_budget: int = DEFAULT_READ_BUDGET) -> Checkpoint:
     """Open a checkpoint file or folder of any supported format as one logical checkpoint.
 
-    `format` forces a reader ("safetensors", "hf-sharded", "torch", "dcp", "dcp-safetensors");
-    by default the format is detected from the content. Reads larger than `read_budget`
+    `format` forces a reader ("safetensors", "hf-sharded", "torch", "dcp", "dcp-safetensors",
+    "tensormorph", "deepspeed", "deepspeed-universal", "megatron-torch-dist", "gguf"); by default
+    the format is detected from the content. Reads larger than `read_budget`
     bytes raise BudgetExceededError unless forced.
     """
     checkpoint = _open(path, format)

@@ -216,15 +216,16 @@ def _byte_progress(label: str, total: int, *, enabled: bool) -> Progress:
 @click.option("--rename", "renames", multiple=True,
               help="Align names on both sides: 'PREFIX=NEW' (e.g. 'model.=' strips model.) or 're:PATTERN=REPL'.")
 @click.option("--all", "show_all", is_flag=True, help="List equal tensors too.")
+@click.option("--common-only", is_flag=True, help="Compare only names both sides hold (weights vs a training checkpoint).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def diff_command(a: str, b: str, atol: float, rtol: float, renames: tuple[str, ...], show_all: bool,
-                 as_json: bool) -> None:
+                 common_only: bool, as_json: bool) -> None:
     """Compare the logical tensors of two checkpoints (exit 0 same, 1 different, 2 error)."""
     try:
         with open_checkpoint(a) as ck_a, open_checkpoint(b) as ck_b:
             with _byte_progress("diff", ck_b.nbytes, enabled=not as_json) as progress:
                 task = progress.add_task("diff", total=ck_b.nbytes)
-                report = diff(ck_a, ck_b, atol=atol, rtol=rtol, rename=list(renames),
+                report = diff(ck_a, ck_b, atol=atol, rtol=rtol, rename=list(renames), common_only=common_only,
                               progress=lambda n: progress.advance(task, n))
     except CheckpointError as exc:
         _print_error(exc)

@@ -230,32 +230,68 @@ class LogicalTensor:
         return self.read(Ellipsis, budget=None if not force else max(self.nbytes, 1))
 
     def local(self, rank: int) -> np.ndarray:
-        """The data that one rank holds (the chunk that rank wrote), as a read-only mapped view."""
-        return self._held_by(rank).read()
+        """The data that one rank holds: its chunk as a read-only mapped view, or, when its share is
+        several boxes forming one run of the flattened tensor (ZeRO partitions), that run in 1-D."""
+        held = self._held_by(rank)
+        if len(held) == 1:
+            return held[0].read()
+        return self.local_tensor(rank).read()
 
     def local_tensor(self, rank: int) -> LogicalTensor:
-        """What one rank holds, as a tensor of its own (shape = that chunk's shape), for lazy region reads."""
-        chunk = self._held_by(rank)
-        return replace(self, name=f"{self.name}@rank{rank}", shape=chunk.shape,
-                       chunks=(replace(chunk, offsets=(0,) * len(chunk.shape)),), placement=None)
-
-    def _held_by(self, rank: int) -> Chunk:
-        held = [c for c in self.chunks if rank in c.ranks]
+        """What one rank holds, as a tensor of its own for lazy region reads: shaped like its chunk,
+        or 1-D when its share is several boxes forming one run of the flattened tensor."""
+        held = self._held_by(rank)
         if len(held) == 1:
-            return held[0]
+            chunk = held[0]
+            return replace(self, name=f"{self.name}@rank{rank}", shape=chunk.shape,
+                           chunks=(replace(chunk, offsets=(0,) * len(chunk.shape)),), placement=None)
+        starts = [_flat_start(c, self.shape) for c in held]
+        ordered = sorted(zip(starts, held), key=lambda item: item[0])
+        position = ordered[0][0]
+        for start, chunk in ordered:
+            if start is None or start != position:
+                raise CheckpointError(
+                    f"rank {rank} holds {len(held)} chunks at offsets {[c.offsets for c in held]} that are not one "
+                    "run of the flattened tensor; read them with chunk.read()", tensor=self.name)
+            position += chunk.numel
+        base = ordered[0][0]
+        flat = tuple(Chunk((start - base,), (chunk.numel,), chunk.file, chunk.byte_range, _FlatSource(chunk.source),
+                           chunk.ranks) for start, chunk in ordered)
+        return replace(self, name=f"{self.name}@rank{rank}", shape=(position - base,), chunks=flat, placement=None)
+
+    def _held_by(self, rank: int) -> list[Chunk]:
+        held = [c for c in self.chunks if rank in c.ranks]
+        if held:
+            return [c for c in held if c.numel] or held[:1]
         writers = sorted({r for c in self.chunks for r in c.ranks})
-        if not held:
-            detail = f"chunks were written by ranks {writers}" if writers else "this format records no ranks"
-            raise CheckpointError(
-                f"rank {rank} holds no stored chunk ({detail}; replicated copies are stored once)", tensor=self.name
-            )
+        detail = f"chunks were written by ranks {writers}" if writers else "this format records no ranks"
         raise CheckpointError(
-            f"rank {rank} holds {len(held)} chunks at offsets {[c.offsets for c in held]}; read them with chunk.read()",
-            tensor=self.name,
+            f"rank {rank} holds no stored chunk ({detail}; replicated copies are stored once)", tensor=self.name
         )
 
     def with_budget(self, budget: int) -> LogicalTensor:
         return replace(self, read_budget=budget)
+
+
+def _flat_start(chunk: Chunk, shape: tuple[int, ...]) -> int | None:
+    """Where a box starts in the flattened tensor, when its elements are one contiguous run there."""
+    dims = len(shape)
+    # contiguous when the dimensions before the first one longer than 1 are single indices and all
+    # dimensions after it are whole
+    first = next((d for d in range(dims) if chunk.shape[d] != 1), dims - 1)
+    if any(chunk.shape[d] != shape[d] for d in range(first + 1, dims)):
+        return None
+    return sum(o * math.prod(shape[d + 1:]) for d, o in enumerate(chunk.offsets))
+
+
+@dataclass(frozen=True, slots=True)
+class _FlatSource:
+    """A chunk's data flattened to 1-D (its array is C-contiguous, so this is a view)."""
+
+    inner: ChunkSource
+
+    def array(self) -> np.ndarray:
+        return self.inner.array().reshape(-1)
 
 
 @dataclass(frozen=True)

@@ -147,22 +147,27 @@ def aligned_names(names: Sequence[str], rules: Sequence[NameRule], side: str) ->
 
 def diff(a: str | Path | Checkpoint, b: str | Path | Checkpoint, *, atol: float = 0.0, rtol: float = 0.0,
          names: Sequence[str] | None = None, rename: Sequence[str] | None = None, cast: str | None = None,
-         objects: bool = True, block_bytes: int = DEFAULT_BLOCK_BYTES, threads: int = 2,
-         progress: Callable[[int], None] | None = None) -> DiffReport:
+         objects: bool = True, common_only: bool = False, block_bytes: int = DEFAULT_BLOCK_BYTES,
+         threads: int = 2, progress: Callable[[int], None] | None = None) -> DiffReport:
     """Compare the logical tensors (and non-tensor entries) of two checkpoints.
 
     `names` limits the comparison to these aligned names; `rename` holds rules applied to the
     names of both sides ('model.=' strips a prefix, 're:PATTERN=REPL' rewrites; an 'a:' or 'b:'
     prefix limits a rule to one side); `cast` converts
     side a's floating-point values to that dtype before comparing (to check a conversion exactly);
-    `objects=False` compares tensors only.
+    `objects=False` compares tensors only; `common_only=True` leaves out what only one side holds
+    (a training checkpoint's optimizer state against a weights-only export).
     `progress` receives the number of bytes of side b compared so far, in increments.
     """
     rules = [parse_rename(r) for r in rename or ()]
     with ExitStack() as stack:
         ck_a, ck_b = opened(a, stack), opened(b, stack)
-        return _diff(ck_a, ck_b, rules, atol=atol, rtol=rtol, names=names, cast=cast, objects=objects,
-                     block_bytes=block_bytes, threads=threads, progress=progress)
+        report = _diff(ck_a, ck_b, rules, atol=atol, rtol=rtol, names=names, cast=cast, objects=objects,
+                       block_bytes=block_bytes, threads=threads, progress=progress)
+    if common_only:
+        report.tensors = [t for t in report.tensors if t.status not in ("only_a", "only_b")]
+        report.objects = [o for o in report.objects if o.status not in ("only_a", "only_b")]
+    return report
 
 
 def _diff(ck_a: Checkpoint, ck_b: Checkpoint, rules: list[NameRule], *, atol: float, rtol: float,
