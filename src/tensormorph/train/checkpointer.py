@@ -1,0 +1,555 @@
+"""Checkpointer: the whole training state saved in shards, resumed exactly, safe against crashes.
+
+Each checkpoint is a Tensormorph checkpoint `<root>/step-NNNNNNNN/` written by
+`tensormorph.save` on every rank; its manifest is the commit, and the
+manifest's `extra["tensormorph.train"]` records the step, the save time, a
+sequence number, the world size and the mesh. Which checkpoints exist, which
+is newest and which retention may delete are decided from manifests only:
+folder names and modification times are never trusted.
+
+State layout (flattened names in the checkpoint):
+  model.*            model state (DTensors under FSDP2), from get_state_dict
+  optimizer.*        optimizer state keyed by parameter names
+  scheduler, scaler  their state_dicts
+  rng.rank<r>        rank r's generators (Python, NumPy, torch CPU, every CUDA device)
+  data.rank<r>       rank r's data position (ResumableSampler or StatefulDataLoader state)
+  extra, step        the caller's JSON-able state and the step
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import signal
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from ..distributed import load as tm_load
+from ..distributed import save as tm_save
+from ..errors import CheckpointError
+from ..manifest import MANIFEST, TEMP_PREFIX, encode_value, parse
+from . import rng
+from .plain import from_plain, to_plain
+from .sampler import ResumableSampler
+
+__all__ = ["CheckpointInfo", "Checkpointer", "SaveTiming"]
+
+TRAIN_KEY = "tensormorph.train"
+FOLDER_PREFIX = "step-"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed training checkpoint, as its manifest describes it."""
+
+    step: int
+    path: Path
+    time: float  # seconds since the epoch when the save began
+    size: int  # bytes: data files and manifest
+    world_size: int
+    mesh: dict[str, Any] | None  # {"shape": [...], "dim_names": [...]} of the model's DTensors
+    seq: int  # commit order within the root folder: newer saves have higher numbers
+    components: tuple[str, ...]  # of model, optimizer, scheduler, scaler, data, extra
+
+
+@dataclass
+class SaveTiming:
+    """How long one `save` held up the training loop, and when the checkpoint became durable."""
+
+    step: int
+    path: Path
+    blocked_s: float = 0.0  # time inside save(): waiting for the previous save, collecting, staging
+    durable_s: float | None = None  # from the call until the commit; None while in flight
+
+
+@dataclass
+class _Group:
+    """Process groups and this process's place in them (one process without torch.distributed)."""
+
+    distributed: bool
+    rank: int = 0
+    world: int = 1
+    save: Any = None  # gloo group used by the (background) save: its collectives never meet the training's
+    control: Any = None  # gloo group for the main thread's agreement (resume choice, stop requests)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _optimizers(optimizer: Any) -> tuple[Any, ...]:
+    if optimizer is None:
+        return ()
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return (optimizer,)
+    return tuple(optimizer)
+
+
+def _find_mesh(state: Any) -> dict[str, Any] | None:
+    from torch.distributed.tensor import DTensor
+
+    for value in state.values():
+        if isinstance(value, DTensor):
+            mesh = value.device_mesh
+            return {"shape": list(mesh.shape), "dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None}
+    return None
+
+
+def _loader_parts(dataloader: Any) -> tuple[str, ResumableSampler | None, Any]:
+    """(kind, sampler, loader) for what was passed as `dataloader=`; kind is 'sampler' or 'stateful'."""
+    if isinstance(dataloader, ResumableSampler):
+        return "sampler", dataloader, None
+    if isinstance(dataloader, DataLoader):
+        candidates = [dataloader.sampler, getattr(dataloader.batch_sampler, "sampler", None)]
+        sampler = next((s for s in candidates if isinstance(s, ResumableSampler)), None)
+        stateful = callable(getattr(dataloader, "state_dict", None)) and callable(
+            getattr(dataloader, "load_state_dict", None))
+        if stateful and sampler is not None:
+            raise TypeError(f"{type(dataloader).__name__} keeps its own position; give it its own sampler, or use "
+                            "a ResumableSampler with a plain torch DataLoader")
+        if stateful:
+            return "stateful", None, dataloader
+        if sampler is None:
+            raise TypeError(f"the DataLoader's sampler is a {type(dataloader.sampler).__name__}, which cannot say "
+                            "how far training got; use tensormorph.train.ResumableSampler (a drop-in for "
+                            "DistributedSampler) or torchdata's StatefulDataLoader")
+        return "sampler", sampler, dataloader
+    if callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None)):
+        return "stateful", None, dataloader
+    raise TypeError(f"dataloader= takes a DataLoader with a ResumableSampler, a ResumableSampler, or an object with "
+                    f"state_dict/load_state_dict (torchdata's StatefulDataLoader); got {type(dataloader).__name__}")
+
+
+def _generator_state(loader: Any) -> bytes | None:
+    generator = getattr(loader, "generator", None)
+    return generator.get_state().numpy().tobytes() if isinstance(generator, torch.Generator) else None
+
+
+class Checkpointer:
+    """Saves and resumes the whole training state under one root folder.
+
+        ckpt = Checkpointer("runs/exp1", keep=3, async_save=True)
+        start = ckpt.resume(model=model, optimizer=opt, scheduler=sched, dataloader=loader)
+        ...
+        ckpt.save(step, model=model, optimizer=opt, scheduler=sched, dataloader=loader, extra={...})
+        ckpt.wait()
+
+    Construct it, `save` and `resume` on every rank (they are collective). `keep=N` keeps the N
+    newest committed checkpoints. With `async_save` the state is copied to CPU memory and written
+    by a background thread while training goes on; at most one save is in flight. Leftover
+    temporary folders of saves that never committed are removed when a Checkpointer starts.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, keep: int | None = None, async_save: bool = False,
+                 redundancy: str | None = None):
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be at least 1 (the newest checkpoint is never deleted), got {keep}")
+        self.root = Path(root).absolute()
+        self.keep = keep
+        self.async_save = async_save
+        self.redundancy = redundancy
+        self.extra: Any = None
+        self.timings: list[SaveTiming] = []
+        distributed = dist.is_available() and dist.is_initialized()
+        self._g = _Group(distributed)
+        if distributed:
+            self._g.rank, self._g.world = dist.get_rank(), dist.get_world_size()
+            self._g.save = dist.new_group(backend="gloo")
+            self._g.control = dist.new_group(backend="gloo")
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._manifest_cache: dict[Path, tuple[tuple[int, int], CheckpointInfo | None]] = {}
+        self._pending_rng: dict[str, Any] | None = None
+        self._signalled = False
+        self._stopping = False
+        self._barrier()
+        seq = 0
+        if self._g.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._clean_leftovers()
+            seq = max((info.seq for info in self.list()), default=0)
+        self._seq = self._broadcast(seq)
+
+    # ---- listing --------------------------------------------------------------------------------------
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed training checkpoints under the root, oldest first (by commit order). No collectives."""
+        found = []
+        try:
+            children = list(self.root.iterdir())
+        except FileNotFoundError:
+            return []
+        for child in children:
+            if child.name.startswith(TEMP_PREFIX) or not child.is_dir():
+                continue
+            info = self._info(child)
+            if info is not None:
+                found.append(info)
+        return sorted(found, key=lambda i: (i.seq, i.time))
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed checkpoint, or None."""
+        infos = self.list()
+        return infos[-1] if infos else None
+
+    def _info(self, folder: Path) -> CheckpointInfo | None:
+        manifest_path = folder / MANIFEST
+        try:
+            stat = manifest_path.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # not a checkpoint (or one being deleted right now)
+        key = (stat.st_mtime_ns, stat.st_size)
+        cached = self._manifest_cache.get(folder)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        try:
+            manifest = parse(manifest_path.read_bytes(), str(manifest_path))
+        except FileNotFoundError:
+            return None
+        except CheckpointError as exc:
+            warnings.warn(f"ignoring a checkpoint whose manifest is damaged: {exc}", stacklevel=3)
+            return None
+        meta = manifest.extra.get(TRAIN_KEY)
+        info = None
+        if isinstance(meta, dict):
+            info = CheckpointInfo(step=meta["step"], path=folder, time=meta["time"],
+                                  size=sum(f.size for f in manifest.files.values()) + stat.st_size,
+                                  world_size=manifest.world_size, mesh=meta.get("mesh"), seq=meta["seq"],
+                                  components=tuple(meta["components"]))
+        self._manifest_cache[folder] = (key, info)
+        return info
+
+    def _clean_leftovers(self) -> None:
+        """Remove temporary folders of saves (and deletions) that a crash interrupted."""
+        for child in self.root.iterdir():
+            if child.name.startswith(TEMP_PREFIX):
+                shutil.rmtree(child, ignore_errors=True)
+
+    def _retain(self) -> None:
+        """Delete committed checkpoints beyond the `keep` newest (rank 0, after a commit)."""
+        if self.keep is None:
+            return
+        for info in self.list()[:-self.keep]:
+            # renamed out of sight first: a crash mid-delete leaves a temporary folder, never a broken checkpoint
+            doomed = self.root / f"{TEMP_PREFIX}deleting-{info.path.name}-{uuid.uuid4().hex[:12]}"
+            try:
+                os.rename(info.path, doomed)
+            except FileNotFoundError:
+                continue
+            self._manifest_cache.pop(info.path, None)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    # ---- collectives ----------------------------------------------------------------------------------
+
+    def _barrier(self) -> None:
+        if self._g.distributed:
+            dist.barrier(group=self._g.control)
+
+    def _broadcast(self, value: Any) -> Any:
+        if not self._g.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._g.control)
+        return box[0]
+
+    # ---- saving ---------------------------------------------------------------------------------------
+
+    def save(self, step: int, *, model: torch.nn.Module | None = None, optimizer: Any = None,
+             scheduler: Any = None, scaler: Any = None, dataloader: Any = None,
+             extra: Any = None) -> SaveTiming:
+        """Save the training state at `step` as `<root>/step-NNNNNNNN` (collective: every rank calls it).
+
+        Synchronous: returns once the checkpoint is committed. Asynchronous: returns once the state
+        is copied to CPU memory; an error in the background is raised by the next save or wait.
+        After a stop request (`save_on_signal`) it waits for the commit and exits the process.
+        """
+        started = time.perf_counter()
+        self.wait()
+        state, meta = self._collect(step, model, optimizer, scheduler, scaler, dataloader, extra)
+        path = self.root / f"{FOLDER_PREFIX}{step:08d}"
+        timing = SaveTiming(step, path)
+        self.timings.append(timing)
+        if self.async_save:
+            staged = self._stage(state)
+            self._thread = threading.Thread(target=self._write_in_background, args=(staged, path, meta, timing,
+                                                                                    started),
+                                            name=f"tensormorph-save-{step}")
+            self._thread.start()
+        else:
+            self._write(state, path, meta, timing, started)
+        timing.blocked_s = time.perf_counter() - started
+        if self._stopping:
+            self.wait()
+            self._barrier()
+            raise SystemExit(0)
+        return timing
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _collect(self, step: int, model: Any, optimizer: Any, scheduler: Any, scaler: Any, dataloader: Any,
+                 extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        state: dict[str, Any] = {"step": step}
+        optimizers = _optimizers(optimizer)
+        if optimizers and model is None:
+            raise ValueError("optimizer state is keyed by the model's parameter names: pass model= as well")
+        if model is not None:
+            if optimizers:
+                state["model"], state["optimizer"] = get_state_dict(model, optimizers)
+            else:
+                state["model"] = get_model_state_dict(model)
+        if scheduler is not None:
+            state["scheduler"] = scheduler.state_dict()
+        if scaler is not None:
+            state["scaler"] = scaler.state_dict()
+        if extra is not None:
+            state["extra"] = extra
+        rank = self._g.rank
+        # a restore still waiting for the loader's first index is the state this process is really in
+        state[f"rng.rank{rank}"] = self._pending_rng if self._pending_rng is not None else rng.capture()
+        if dataloader is not None:
+            kind, sampler, loader = _loader_parts(dataloader)
+            if kind == "sampler":
+                state[f"data.rank{rank}"] = {"kind": kind, "state": sampler.state_dict(),
+                                             "generator": _generator_state(loader)}
+            else:
+                state[f"data.rank{rank}"] = {"kind": kind, "state": to_plain(loader.state_dict(), "dataloader")}
+        components = [k for k in ("model", "optimizer", "scheduler", "scaler", "extra") if k in state]
+        if dataloader is not None:
+            components.append("data")
+        meta = {TRAIN_KEY: {"step": step, "time": time.time(), "seq": self._seq + 1, "world_size": self._g.world,
+                            "mesh": _find_mesh(state["model"]) if "model" in state else None,
+                            "components": components, "seed": torch.initial_seed()}}
+        self._seq += 1
+        return state, meta
+
+    def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A copy of `state` that training cannot change: tensors copied into reused CPU buffers
+        (pinned when the source is on a GPU), plain values deep-copied and checked now, not in the
+        background."""
+        from torch.distributed.tensor import DTensor
+
+        buffers = self._g.buffers
+        on_gpu = False
+
+        def copy_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal on_gpu
+            local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+            buffer = buffers.get(name)
+            if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
+                buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.is_cuda)
+                buffers[name] = buffer
+            on_gpu |= local.is_cuda
+            buffer.copy_(local.detach(), non_blocking=local.is_cuda)
+            if isinstance(tensor, DTensor):
+                # the same placements and global shape over the CPU copy (from_local would move it back)
+                return DTensor(buffer, tensor._spec, requires_grad=False)
+            return buffer
+
+        def walk(value: Any, name: str) -> Any:
+            if isinstance(value, torch.Tensor):
+                return copy_tensor(name, value)
+            if isinstance(value, dict):
+                return {k: walk(v, f"{name}.{k}") for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                items = [walk(v, f"{name}.{i}") for i, v in enumerate(value)]
+                return tuple(items) if isinstance(value, tuple) else items
+            encode_value(value, name)  # refuses what a checkpoint cannot hold, naming the entry, in the caller
+            return copy.deepcopy(value)
+
+        staged = {k: walk(v, k) for k, v in state.items()}
+        if on_gpu:
+            torch.cuda.synchronize()
+        return staged
+
+    def _write(self, state: dict[str, Any], path: Path, meta: dict[str, Any], timing: SaveTiming,
+               started: float) -> None:
+        tm_save(state, path, process_group=self._g.save, overwrite=True, extra=meta, redundancy=self.redundancy)
+        timing.durable_s = time.perf_counter() - started
+        if self._g.rank == 0:
+            self._retain()
+
+    def _write_in_background(self, state: dict[str, Any], path: Path, meta: dict[str, Any], timing: SaveTiming,
+                             started: float) -> None:
+        try:
+            self._write(state, path, meta, timing, started)
+        except BaseException as exc:  # handed to the training thread at its next save or wait
+            self._error = exc
+
+    # ---- resuming -------------------------------------------------------------------------------------
+
+    def resume(self, *, model: torch.nn.Module | None = None, optimizer: Any = None, scheduler: Any = None,
+               scaler: Any = None, dataloader: Any = None, step: int | None = None, strict: bool = True) -> int:
+        """Load the newest committed checkpoint (or the one of `step`) into what is given; returns its step,
+        0 when there is nothing to resume. Collective. `self.extra` becomes the saved `extra`.
+
+        Strict: every mismatch between the given state and the checkpoint (missing or unexpected
+        entries, other shapes or dtypes, components saved but not given) raises one StateMismatchError.
+        On another world size, model and optimizer are resharded, a ResumableSampler continues at the
+        same global sample, and per-rank random streams are re-seeded from the step and the rank.
+        """
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, \
+            set_model_state_dict, set_state_dict
+
+        self.wait()
+        chosen: Any = None
+        if self._g.rank == 0:
+            infos = self.list()
+            if step is not None:
+                infos = [i for i in infos if i.step == step]
+                if not infos:
+                    chosen = ("error", f"has no committed checkpoint of step {step}")
+            if infos:
+                chosen = ("ok", str(infos[-1].path))
+        chosen = self._broadcast(chosen)
+        if chosen is None:
+            self.extra = None
+            return 0
+        if chosen[0] == "error":
+            raise CheckpointError(chosen[1], file=str(self.root))
+        path = Path(chosen[1])
+        manifest = parse((path / MANIFEST).read_bytes(), str(path / MANIFEST))
+        meta = manifest.extra[TRAIN_KEY]
+        same_world = meta["world_size"] == self._g.world
+        optimizers = _optimizers(optimizer)
+        if optimizers and model is None:
+            raise ValueError("optimizer state is keyed by the model's parameter names: pass model= as well")
+
+        target: dict[str, Any] = {"step": None}
+        if model is not None:
+            if optimizers:
+                target["model"], target["optimizer"] = get_state_dict(model, optimizers)
+            else:
+                target["model"] = get_model_state_dict(model)
+        if scheduler is not None:
+            target["scheduler"] = scheduler.state_dict()
+        if scaler is not None:
+            target["scaler"] = scaler.state_dict()
+        if "extra" in manifest.objects:
+            target["extra"] = None
+        # every rank's generators and data position are plain values in the manifest: all are read (no
+        # data files touched), this rank's are used, and another world size uses all ranks' positions
+        for name in manifest.objects:
+            if name.startswith(("rng.rank", "data.rank")):
+                target[name] = None
+        kind = sampler = loader = None
+        if dataloader is not None:
+            kind, sampler, loader = _loader_parts(dataloader)
+            if not any(n.startswith("data.rank") for n in manifest.objects):
+                target["data.rank0"] = None  # reported as missing: the checkpoint holds no data position
+
+        tm_load(path, target, strict=strict)
+
+        if model is not None:
+            if optimizers:
+                set_state_dict(model, optimizers, model_state_dict=target["model"],
+                               optim_state_dict=target["optimizer"])
+            else:
+                set_model_state_dict(model, target["model"])
+        if scheduler is not None:
+            scheduler.load_state_dict(target["scheduler"])
+        if scaler is not None:
+            scaler.load_state_dict(target["scaler"])
+        self.extra = target.get("extra")
+        saved_world = meta["world_size"]
+        rank = self._g.rank
+
+        generators = target.get(f"rng.rank{rank}") if same_world else None
+        loader_generator = None
+        defer = False
+        if dataloader is not None:
+            data = [target.get(f"data.rank{r}") for r in range(saved_world)]
+            if any(d is None for d in data):
+                raise CheckpointError("holds no data position for every rank", file=str(path))
+            if any(d["kind"] != kind for d in data):
+                raise CheckpointError(f"holds a {data[0]['kind']} data position, and a {kind} was given",
+                                      file=str(path))
+            mine = data[rank] if same_world else None
+            if kind == "stateful":
+                if not same_world:
+                    raise CheckpointError(
+                        f"was saved on {saved_world} ranks and is resumed on {self._g.world}: a StatefulDataLoader's "
+                        "state is one rank's share of the data and cannot be split anew; use a ResumableSampler, or "
+                        "resume without dataloader= to start the data afresh", file=str(path))
+                loader.load_state_dict(from_plain(mine["state"]))
+                # StatefulDataLoader makes its iterator here, drawing from the global generator; the restore
+                # below comes after that draw, so the resumed run's streams match the uninterrupted one's
+                loader.state_dict()
+            else:
+                sampler.load_states([mine["state"]] if same_world else [d["state"] for d in data],
+                                    same_world=same_world)
+                if mine is not None and mine["generator"] is not None and loader is not None:
+                    loader_generator = mine["generator"]
+                completed = all(d["state"]["complete"] for d in data)
+                # A DataLoader draws from a generator when it makes an iterator. After a save mid-epoch (or
+                # with persistent workers, which keep theirs) the uninterrupted run made no iterator at this
+                # point, so the restore waits for the loader's first index, after the resumed run's draw.
+                defer = loader is not None and not (completed and not (loader.persistent_workers
+                                                                       and loader.num_workers > 0))
+
+        def restore() -> None:
+            self._pending_rng = None
+            if generators is not None:
+                rng.restore(generators)
+            if loader_generator is not None:
+                loader.generator.set_state(torch.frombuffer(bytearray(loader_generator), dtype=torch.uint8))
+
+        if generators is None:
+            rng.reseed(rng.derive_seed(meta["seed"], meta["step"], rank, self._g.world))
+        if defer:
+            self._pending_rng = generators
+            sampler._on_first_index = restore
+        else:
+            restore()
+        return int(meta["step"])
+
+    # ---- preemption -----------------------------------------------------------------------------------
+
+    def save_on_signal(self, *signals: int) -> None:
+        """On any of `signals` (default SIGTERM), the next `stop_requested()` is True on every rank, and
+        the save made then waits for its commit and exits the process (SystemExit(0))."""
+        for sig in signals or (signal.SIGTERM,):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signalled = True  # only a flag: a signal handler must not do I/O or collectives
+
+    def stop_requested(self) -> bool:
+        """Whether any rank was signalled; call it at every step boundary on every rank (collective)."""
+        flag = self._signalled or self._stopping
+        if self._g.distributed:
+            vote = torch.tensor([int(flag)])
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._g.control)
+            flag = bool(vote.item())
+        self._stopping = flag
+        return flag
+
+    def close(self) -> None:
+        """Wait for the save in flight and release the process groups."""
+        self.wait()
+        if self._g.distributed:
+            for group in (self._g.save, self._g.control):
+                dist.destroy_process_group(group)
+            self._g.distributed = False
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
