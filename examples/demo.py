@@ -120,6 +120,16 @@ def main() -> None:
         print(f"\nall {len(original)} tensors of the original, the 4-rank DCP checkpoint and the HF shards are "
               "bit-identical (the HF copy omits buffers transformers does not save)")
 
+    # re-shard the 4-rank DCP checkpoint for 3 ranks in the Tensormorph format, with one parity file;
+    # lose a rank's file, see verify name it as recoverable, and repair it
+    resharded = DEMO / "minilm-tensormorph-3"
+    shutil.rmtree(resharded, ignore_errors=True)
+    run("convert", str(dcp_dir), str(resharded), "--to", "tensormorph", "--world", "3", "--redundancy", "rs(3,1)")
+    (resharded / "rank-00001.safetensors").unlink()
+    run("verify", str(resharded), check=False)  # exits 1: a file is missing (and recoverable)
+    run("repair", str(resharded))
+    run("diff", str(dcp_dir), str(resharded))
+
     run("diff", str(dcp_dir), str(altered), "--rename", "a:model.=", check=False)  # exits 1: it differs
     if "--no-view" not in sys.argv:
         run("view", str(dcp_dir), str(altered), "--rename", "a:model.=", *(a for a in sys.argv[1:] if a == "--no-browser"))
