@@ -302,3 +302,52 @@ def init_gloo(rank: int, world_size: int, port: int) -> None:
 def emit(result: dict[str, Any]) -> None:
     """A child's result: one JSON line on stdout (the parent reads the last line)."""
     print(json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------- multi-rank steps
+
+def io_rchar() -> int:
+    """Bytes this process has passed through read system calls (page-cache hits included, all threads)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/io has no rchar line")
+
+
+def gather(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order, on every rank (default process group)."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def timed_on_ranks(step: Callable[[], Any], *, prefault_bytes: int, cold: bool) -> tuple[float, list[Any]]:
+    """Run `step` on every rank at once and time it as the slowest rank saw it.
+
+    Rank 0 drops the page cache when `cold` (it is machine-wide) and flushes dirty pages either way,
+    so no step pays for an earlier one's writeback; then every rank prefaults, and barriers fence
+    the step on both sides. Returns (max seconds over ranks, every rank's step result).
+    """
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        if not (cold and drop_caches()):
+            os.sync()
+    dist.barrier()
+    prefault(prefault_bytes)
+    dist.barrier()
+    start = time.perf_counter()
+    result = step()
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    return max(gather(elapsed)), gather(result)
+
+
+def load_averages() -> list[float]:
+    """1, 5 and 15-minute load averages: how busy the shared machine was around a run."""
+    return [round(x, 2) for x in os.getloadavg()]
