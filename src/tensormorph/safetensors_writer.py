@@ -50,6 +50,9 @@ def header_bytes(specs: Iterable[TensorSpec], metadata: dict[str, str] | None = 
     return struct.pack("<Q", len(text)) + text
 
 
+WRITE_PIECE = 4 * 1024**2  # bytes checksummed then written at a time: small enough to stay in cache
+
+
 @dataclass
 class Written:
     """What a streamed file holds: its size, its CRC-32C, and each tensor's byte range and block CRCs."""
@@ -78,17 +81,20 @@ def write_stream(f: BinaryIO, tensors: Iterable[tuple[TensorSpec, Iterable[np.nd
         for block in blocks:
             data = np.ascontiguousarray(block, dtype=numpy_dtype).reshape(-1).view(np.uint8)
             view = memoryview(data)
-            f.write(view)
-            file_crc = crc32c.crc32c(view, file_crc)
-            done = 0
-            while done < len(view):  # split the block at checksum-block edges
-                take = min(len(view) - done, checksum_block - in_block)
-                block_crc = crc32c.crc32c(view[done:done + take], block_crc)
-                done += take
-                in_block += take
-                if in_block == checksum_block:
-                    blocks_crc.append(block_crc)
-                    block_crc, in_block = 0, 0
+            for start in range(0, len(view), WRITE_PIECE):
+                piece = view[start:start + WRITE_PIECE]
+                done = 0
+                while done < len(piece):  # checksum blocks first: the file CRC and the write find them in cache
+                    take = min(len(piece) - done, checksum_block - in_block)
+                    part = piece[done:done + take]
+                    block_crc = crc32c.crc32c(part, block_crc)
+                    file_crc = crc32c.crc32c(part, file_crc)
+                    done += take
+                    in_block += take
+                    if in_block == checksum_block:
+                        blocks_crc.append(block_crc)
+                        block_crc, in_block = 0, 0
+                f.write(piece)
             position += len(view)
         if in_block:
             blocks_crc.append(block_crc)
