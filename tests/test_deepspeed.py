@@ -6,15 +6,12 @@ optimizer moments, the universal conversion, CLI, viewer, verify, and damaged or
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
 import sys
-import uuid
 import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,6 +29,7 @@ from starlette.testclient import TestClient
 import tensormorph as tm
 from fixtures import builders, deepspeed_builders
 from fixtures.deepspeed_builders import CONFIGS, TAG
+from fixtures.cache import cached_build
 from tensormorph.cli import main
 from tensormorph.core import Checkpoint
 from tensormorph.errors import (CheckpointError, HeaderError, MissingFileError, UnknownFormatError,
@@ -48,27 +46,7 @@ MOMENTS = ["exp_avg", "exp_avg_sq"]
 
 
 def _cached_build() -> Path:
-    """Every configuration, built once per machine into tests/.fixture-cache/deepspeed/<sha1 of the builder>/."""
-    source = Path(deepspeed_builders.__file__).read_bytes()
-    parent = Path(__file__).resolve().parent / ".fixture-cache" / "deepspeed"
-    final = parent / hashlib.sha1(source).hexdigest()
-    if final.is_dir():
-        return final
-    parent.mkdir(parents=True, exist_ok=True)
-    for stale in parent.iterdir():
-        if not stale.name.startswith("."):
-            shutil.rmtree(stale, ignore_errors=True)
-    temporary = parent / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    temporary.mkdir()
-    try:
-        deepspeed_builders.build_all(temporary)
-        os.rename(temporary, final)
-    except OSError:
-        if not final.is_dir():
-            raise
-    finally:
-        shutil.rmtree(temporary, ignore_errors=True)
-    return final
+    return cached_build("deepspeed", deepspeed_builders, deepspeed_builders.build_all)
 
 
 @pytest.fixture(scope="module")

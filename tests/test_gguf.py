@@ -5,13 +5,10 @@ viewer API on them; hostile headers (hypothesis) that must fail as CheckpointErr
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 import struct
 import tracemalloc
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +24,7 @@ from starlette.testclient import TestClient
 
 import tensormorph as tm
 from fixtures import gguf_builders
+from fixtures.cache import cached_build
 from tensormorph.cli import main
 from tensormorph.errors import (CheckpointError, HeaderError, MissingFileError, TruncatedFileError,
                                 UnsupportedError)
@@ -52,25 +50,7 @@ SPLIT_FILES = [f"model-{k:05d}-of-00003.gguf" for k in (1, 2, 3)]
 
 
 def _cached_build() -> Path:
-    source = Path(gguf_builders.__file__).read_bytes()
-    parent = Path(__file__).resolve().parent / ".fixture-cache" / "formats9"
-    final = parent / f"gguf-{hashlib.sha1(source).hexdigest()}"
-    if final.is_dir():
-        return final
-    parent.mkdir(parents=True, exist_ok=True)
-    for stale in parent.glob("gguf-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    temporary = parent / f".tmp-gguf-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    temporary.mkdir()
-    try:
-        gguf_builders.build(temporary)
-        os.rename(temporary, final)
-    except OSError:
-        if not final.is_dir():
-            raise
-    finally:
-        shutil.rmtree(temporary, ignore_errors=True)
-    return final
+    return cached_build("gguf", gguf_builders, gguf_builders.build)
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,10 @@ values against the tensors and objects the builder saved; CLI, viewer, damaged a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import struct
-import uuid
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from starlette.testclient import TestClient
 
 import tensormorph as tm
 from fixtures import megatron_builders
+from fixtures.cache import cached_build
 from tensormorph import safe_pickle
 from tensormorph.cli import main
 from tensormorph.formats import dcp
@@ -41,26 +40,7 @@ COMMON_KEYS = ["iteration", "checkpoint_version", "args", "opt_param_scheduler",
 
 
 def _cached_build() -> Path:
-    """The fixture, built once into tests/.fixture-cache/formats9/megatron-<sha1 of the builder>/."""
-    source = Path(megatron_builders.__file__).read_bytes()
-    parent = Path(__file__).resolve().parent / ".fixture-cache" / "formats9"
-    final = parent / f"megatron-{hashlib.sha1(source).hexdigest()}"
-    if final.is_dir():
-        return final
-    parent.mkdir(parents=True, exist_ok=True)
-    for stale in parent.glob("megatron-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    temporary = parent / f".tmp-megatron-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    temporary.mkdir()
-    try:
-        megatron_builders.build(temporary / "ckpt")
-        os.rename(temporary, final)
-    except OSError:
-        if not final.is_dir():
-            raise
-    finally:
-        shutil.rmtree(temporary, ignore_errors=True)
-    return final
+    return cached_build("megatron", megatron_builders, lambda folder: megatron_builders.build(folder / "ckpt"))
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,27 @@ def _local_path(path: str | os.PathLike) -> Path:
     return Path(text[len("file://"):] if text.startswith("file://") else text)
 
 
-class LocalDestination:
+class _Destination:
+    """What both kinds of destination share: writing a whole file from a stream."""
+
+    def open(self, name: str) -> BinaryIO:
+        raise NotImplementedError
+
+    @staticmethod
+    def finish_file(f: BinaryIO) -> None:
+        raise NotImplementedError
+
+    def store(self, name: str, chunks: Iterable[bytes]) -> None:
+        """Write one file of this save from a stream of byte strings, durably."""
+        f = self.open(name)
+        try:
+            for chunk in chunks:
+                f.write(chunk)
+        finally:
+            self.finish_file(f)
+
+
+class LocalDestination(_Destination):
     """A folder on a local file system, committed by an atomic rename."""
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = False):
@@ -70,15 +90,6 @@ class LocalDestination:
         os.fsync(f.fileno())
         f.close()
 
-    def store(self, name: str, chunks: Iterable[bytes]) -> None:
-        """Write one file of this save from a stream of byte strings, durably."""
-        f = self.open(name)
-        try:
-            for chunk in chunks:
-                f.write(chunk)
-        finally:
-            self.finish_file(f)
-
     def read_range(self, name: str, begin: int, end: int) -> bytes:
         """Bytes of a file this save wrote (parity is computed from the data files before the commit)."""
         assert self.work is not None
@@ -103,7 +114,7 @@ class LocalDestination:
             threading.Thread(target=shutil.rmtree, args=(replaced,), kwargs={"ignore_errors": True}).start()
 
 
-class FsspecDestination:
+class FsspecDestination(_Destination):
     """A prefix in an fsspec file system (s3://, gs://, memory://...); the manifest PUT is the commit."""
 
     def __init__(self, url: str, *, overwrite: bool = False, storage_options: dict[str, Any] | None = None):
@@ -135,15 +146,6 @@ class FsspecDestination:
     @staticmethod
     def finish_file(f: BinaryIO) -> None:
         f.close()  # completes the upload; an object store has no separate fsync
-
-    def store(self, name: str, chunks: Iterable[bytes]) -> None:
-        """Write one file of this save from a stream of byte strings, durably."""
-        f = self.open(name)
-        try:
-            for chunk in chunks:
-                f.write(chunk)
-        finally:
-            self.finish_file(f)
 
     def read_range(self, name: str, begin: int, end: int) -> bytes:
         return self.fs.cat_file(f"{self.root}/{name}", start=begin, end=end)
