@@ -196,9 +196,9 @@ def test_killed_and_resumed_run_is_bitwise_identical(zygote, tmp_path, loader, e
 
 
 def test_fsdp2_two_ranks_killed_preempted_and_resumed_is_bitwise_identical(zygote, tmp_path):
-    """2 gloo ranks with FSDP2: killed after the save at step 6 (one step into the second epoch); the resumed
-    run gets SIGTERM on rank 1 only, saves at the next step boundary on both ranks and exits cleanly; the
-    third run resumes from that save and finishes."""
+    """2 gloo ranks with FSDP2: killed after the save at step 6 (one step into the second epoch); in the
+    resumed run rank 1 and its DataLoader workers get SIGTERM (rank 0 does not): both ranks save at the next
+    step boundary and exit cleanly; the third run resumes from that save and finishes."""
     argv = ["--steps", "24", "--samples", "40", "--batch", "4", "--save-every", "3", "--preempt"]
     reference = Run(zygote, tmp_path, "ref", 2, ["--root", str(tmp_path / "ref-root"), *argv])
     reference.finish()
@@ -208,7 +208,7 @@ def test_fsdp2_two_ranks_killed_preempted_and_resumed_is_bitwise_identical(zygot
     first.kill()
     second = Run(zygote, tmp_path, "b", 2, [*root, *argv])
     second.line("STEP 10")
-    zygote.kill(second.pids[1], signal.SIGTERM, group=False)  # the rank, not its DataLoader workers
+    zygote.kill(second.pids[1], signal.SIGTERM)
     second.finish()
     third = Run(zygote, tmp_path, "c", 2, [*root, *argv])
     third.finish()

@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,39 @@ def _loader_parts(dataloader: Any) -> tuple[str, ResumableSampler | None, Any]:
                     f"state_dict/load_state_dict (torchdata's StatefulDataLoader); got {type(dataloader).__name__}")
 
 
+def _walk(state: dict[str, Any], on_tensor: Callable[[str, torch.Tensor], Any],
+          on_value: Callable[[str, Any], Any]) -> dict[str, Any]:
+    """`state` rebuilt with each tensor and each other leaf replaced by the callbacks' results."""
+    def visit(value: Any, name: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            return on_tensor(name, value)
+        if isinstance(value, dict):
+            return {k: visit(v, f"{name}.{k}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            items = [visit(v, f"{name}.{i}") for i, v in enumerate(value)]
+            return tuple(items) if isinstance(value, tuple) else items
+        return on_value(name, value)
+
+    return {k: visit(v, k) for k, v in state.items()}
+
+
+class _IgnoreSignals:
+    """A DataLoader `worker_init_fn`: the worker ignores the preemption signals, then runs the loader's own.
+
+    A preempted machine signals every process, DataLoader workers included; torch's workers die of it and
+    take the training step with them. Ignoring it, they live until the training process shuts them down
+    (or until it is gone). A class at module level, so loaders that spawn their workers can pickle it."""
+
+    def __init__(self, signals: tuple[int, ...], inner: Callable[[int], None] | None):
+        self.signals, self.inner = signals, inner
+
+    def __call__(self, worker_id: int) -> None:
+        for sig in self.signals:
+            signal.signal(sig, signal.SIG_IGN)
+        if self.inner is not None:
+            self.inner(worker_id)
+
+
 def _generator_state(loader: Any) -> bytes | None:
     generator = getattr(loader, "generator", None)
     return generator.get_state().numpy().tobytes() if isinstance(generator, torch.Generator) else None
@@ -167,6 +201,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._manifest_cache: dict[Path, tuple[tuple[int, int], CheckpointInfo | None]] = {}
         self._pending_rng: dict[str, Any] | None = None
+        self._signals: tuple[int, ...] = ()
         self._signalled = False
         self._stopping = False
         self._barrier()
@@ -273,6 +308,8 @@ class Checkpointer:
         started = time.perf_counter()
         self.wait()
         state, meta = self._collect(step, model, optimizer, scheduler, scaler, dataloader, extra)
+        # what a checkpoint cannot hold is refused here, naming the entry, before anything is written
+        _walk(state, lambda name, tensor: tensor, lambda name, value: encode_value(value, name))
         path = self.root / f"{FOLDER_PREFIX}{step:08d}"
         timing = SaveTiming(step, path)
         self.timings.append(timing)
@@ -323,6 +360,7 @@ class Checkpointer:
         # a restore still waiting for the loader's first index is the state this process is really in
         state[f"rng.rank{rank}"] = self._pending_rng if self._pending_rng is not None else rng.capture()
         if dataloader is not None:
+            self._guard_workers(dataloader)
             kind, sampler, loader = _loader_parts(dataloader)
             if kind == "sampler":
                 state[f"data.rank{rank}"] = {"kind": kind, "state": sampler.state_dict(),
@@ -340,8 +378,7 @@ class Checkpointer:
 
     def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
         """A copy of `state` that training cannot change: tensors copied into reused CPU buffers
-        (pinned when the source is on a GPU), plain values deep-copied and checked now, not in the
-        background."""
+        (pinned when the source is on a GPU), plain values deep-copied."""
         from torch.distributed.tensor import DTensor
 
         buffers = self._g.buffers
@@ -361,18 +398,7 @@ class Checkpointer:
                 return DTensor(buffer, tensor._spec, requires_grad=False)
             return buffer
 
-        def walk(value: Any, name: str) -> Any:
-            if isinstance(value, torch.Tensor):
-                return copy_tensor(name, value)
-            if isinstance(value, dict):
-                return {k: walk(v, f"{name}.{k}") for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                items = [walk(v, f"{name}.{i}") for i, v in enumerate(value)]
-                return tuple(items) if isinstance(value, tuple) else items
-            encode_value(value, name)  # refuses what a checkpoint cannot hold, naming the entry, in the caller
-            return copy.deepcopy(value)
-
-        staged = {k: walk(v, k) for k, v in state.items()}
+        staged = _walk(state, copy_tensor, lambda name, value: copy.deepcopy(value))
         if on_gpu:
             torch.cuda.synchronize()
         return staged
@@ -407,6 +433,8 @@ class Checkpointer:
             set_model_state_dict, set_state_dict
 
         self.wait()
+        if dataloader is not None:
+            self._guard_workers(dataloader)
         chosen: Any = None
         if self._g.rank == 0:
             infos = self.list()
@@ -522,9 +550,17 @@ class Checkpointer:
 
     def save_on_signal(self, *signals: int) -> None:
         """On any of `signals` (default SIGTERM), the next `stop_requested()` is True on every rank, and
-        the save made then waits for its commit and exits the process (SystemExit(0))."""
-        for sig in signals or (signal.SIGTERM,):
+        the save made then waits for its commit and exits the process (SystemExit(0)). The workers of the
+        DataLoader given to `resume`/`save` ignore these signals, so that a signal to every process of the
+        machine does not kill them (they exit with the training process)."""
+        self._signals = tuple(signals or (signal.SIGTERM,))
+        for sig in self._signals:
             signal.signal(sig, self._on_signal)
+
+    def _guard_workers(self, dataloader: Any) -> None:
+        init = getattr(dataloader, "worker_init_fn", None)
+        if self._signals and isinstance(dataloader, DataLoader) and not isinstance(init, _IgnoreSignals):
+            dataloader.worker_init_fn = _IgnoreSignals(self._signals, init)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signalled = True  # only a flag: a signal handler must not do I/O or collectives
