@@ -207,3 +207,14 @@ def serve():
         server.should_exit = True
     for _server, thread in running:
         thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """One headless Debian chromium for the browser tests (their modules skip loudly without it)."""
+    from browser_support import CHROMIUM, CHROMIUM_ARGS, sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()

@@ -9,27 +9,15 @@ this module is skipped, loudly.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tensormorph.server import create_app
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run"]
-SCREENSHOTS = Path(__file__).resolve().parent.parent / "build" / "screenshots"
-
-try:
-    from playwright.sync_api import Error as PlaywrightError
-    from playwright.sync_api import expect, sync_playwright
-except ImportError:  # pragma: no cover - depends on the machine
-    pytest.skip("BROWSER TESTS SKIPPED: the 'playwright' Python package is not installed "
-                "(pip install -e '.[browser-tests]'); no browser is downloaded", allow_module_level=True)
-if not CHROMIUM.is_file():  # pragma: no cover - depends on the machine
-    pytest.skip(f"BROWSER TESTS SKIPPED: {CHROMIUM} is missing (apt-get install chromium); "
-                "no browser is downloaded", allow_module_level=True)
+from browser_support import SCREENSHOTS
+from playwright.sync_api import Error as PlaywrightError
+from playwright.sync_api import expect
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,14 +45,6 @@ def truth(viewer_pair, fixture_builders) -> dict[str, np.ndarray]:
 def base_url(serve, viewer_pair, tmp_path_factory) -> str:
     cache = tmp_path_factory.mktemp("browser-tiles")
     return serve(create_app(list(viewer_pair), rename=RENAME, cache_dir=cache))
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture

@@ -89,7 +89,7 @@ def exercise(path: Path, format: str | None = None, *, detect: bool = True) -> A
                 value = np.asarray(value)
                 assert value.shape == tensor.shape
                 assert value.dtype == tensor.numpy_dtype
-            outcome(lambda: tensor_stats(tensor))  # what `tensormorph stats` runs
+            outcome(lambda tensor=tensor: tensor_stats(tensor))  # what `tensormorph stats` runs
         for entry in ck.objects.values():
             outcome(entry.value)
     return opened

@@ -18,19 +18,8 @@ import tensormorph as tm
 from tensormorph.planner import Workload
 from tensormorph.server import create_app
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run"]
-SCREENSHOTS = Path(__file__).resolve().parent.parent / "build" / "screenshots"
-
-try:
-    from playwright.sync_api import expect, sync_playwright
-except ImportError:  # pragma: no cover - depends on the machine
-    pytest.skip("BROWSER TESTS SKIPPED: the 'playwright' Python package is not installed "
-                "(pip install -e '.[browser-tests]'); no browser is downloaded", allow_module_level=True)
-if not CHROMIUM.is_file():  # pragma: no cover - depends on the machine
-    pytest.skip(f"BROWSER TESTS SKIPPED: {CHROMIUM} is missing (apt-get install chromium); "
-                "no browser is downloaded", allow_module_level=True)
+from browser_support import SCREENSHOTS
+from playwright.sync_api import expect
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUT = 20_000  # ms
@@ -61,14 +50,6 @@ def devices(checkpoint) -> list[str]:
 @pytest.fixture(scope="module")
 def base_url(serve, checkpoint) -> str:
     return serve(create_app([checkpoint]))
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture
