@@ -7,12 +7,14 @@ checkpoint's folder, so no checkpoint can make us read another file.
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import threading
 from pathlib import Path, PurePosixPath
+from typing import Any
 
-from .errors import MissingFileError, TruncatedFileError, UnsafePathError
+from .errors import HeaderError, MissingFileError, TruncatedFileError, UnsafePathError
 
 _EMPTY = memoryview(b"")
 ADVICE_PIECE = 8 * 1024**2
@@ -85,6 +87,17 @@ class LocalFiles:
                 return size, length, b""
         except FileNotFoundError:
             raise MissingFileError("file is missing", file=str(path)) from None
+
+    def read_json(self, name: str, max_bytes: int, what: str = "file") -> Any:
+        """A small JSON file (an index, a config), size-capped and parsed; problems are HeaderErrors."""
+        path = str(self.resolve(name))
+        size = self.size(name)
+        if size > max_bytes:
+            raise HeaderError(f"{what} is {size} bytes, over the {max_bytes}-byte limit", file=path)
+        try:
+            return json.loads(self.read(name, 0, size).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise HeaderError(f"{what} is not valid UTF-8 JSON: {exc}", file=path) from None
 
     def read_into(self, name: str, offset: int, target: memoryview) -> None:
         """Fill `target` with the file's bytes from `offset` (pread in large pieces, no page mapping)."""

@@ -67,13 +67,7 @@ def _is_index(index: Path) -> bool:
 def read_index(files: LocalFiles, name: str) -> tuple[dict[str, str], dict[str, Any]]:
     """(weight_map, metadata) of an index file, validated."""
     path = str(files.resolve(name))
-    size = files.size(name)
-    if size > MAX_INDEX_BYTES:
-        raise HeaderError(f"index is {size} bytes, over the {MAX_INDEX_BYTES}-byte limit", file=path)
-    try:
-        index = json.loads(files.read(name, 0, size).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise HeaderError(f"index is not valid UTF-8 JSON: {exc}", file=path) from None
+    index = files.read_json(name, MAX_INDEX_BYTES, "index")
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise HeaderError("index must be a JSON object with a 'weight_map' object", file=path)
     weight_map = index["weight_map"]

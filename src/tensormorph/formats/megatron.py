@@ -71,13 +71,7 @@ def detect(path: Path) -> bool:
 def read_config(files: LocalFiles) -> dict[str, Any]:
     """metadata.json, validated: the backend names and versions."""
     path = str(files.resolve(CONFIG_FILE))
-    size = files.size(CONFIG_FILE)
-    if size > MAX_CONFIG_BYTES:
-        raise HeaderError(f"is {size} bytes, over the {MAX_CONFIG_BYTES}-byte limit", file=path)
-    try:
-        config = json.loads(files.read(CONFIG_FILE, 0, size).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise HeaderError(f"is not valid UTF-8 JSON: {exc}", file=path) from None
+    config = files.read_json(CONFIG_FILE, MAX_CONFIG_BYTES, CONFIG_FILE)
     if not isinstance(config, dict) or not isinstance(config.get("sharded_backend"), str):
         raise HeaderError(f"should be an object with a string 'sharded_backend', found {str(config)[:80]!r}",
                           file=path)
