@@ -227,20 +227,59 @@ def test_async_save_is_listed_only_after_its_commit_and_one_at_a_time(tmp_path, 
     ckpt = Checkpointer(tmp_path / "run", keep=1, async_save=True)
     first = ckpt.save(1, model=model, optimizer=opt, scheduler=sched)
     assert first.durable_s is None and ckpt.latest() is None
-    saved_weight = model[0].weight.detach().clone()
-    with torch.no_grad():
-        model[0].weight.add_(1.0)  # training goes on: the staged copy must not change
     threading.Timer(0.3, held.release.set).start()
     second = ckpt.save(2, model=model, optimizer=opt, scheduler=sched)  # waits for the first
     assert second.blocked_s >= 0.25 and first.durable_s is not None and first.durable_s >= 0.25
     ckpt.wait()
     assert second.durable_s >= second.blocked_s
     assert [i.step for i in ckpt.list()] == [2]
-    fresh, fresh_opt, fresh_sched = _training()
-    Checkpointer(tmp_path / "run").resume(model=fresh, optimizer=fresh_opt, scheduler=fresh_sched, step=2)
-    assert torch.equal(fresh[0].weight, model[0].weight)
-    assert not torch.equal(fresh[0].weight, saved_weight)
     assert [t.step for t in ckpt.timings] == [1, 2]
+
+
+def _hold_background(monkeypatch) -> threading.Event:
+    """Make the background thread of the next async saves wait, before it copies anything, for the event."""
+    release = threading.Event()
+    original = Checkpointer._write_in_background
+
+    def held(self, *args):
+        release.wait(30)
+        original(self, *args)
+
+    monkeypatch.setattr(Checkpointer, "_write_in_background", held)
+    return release
+
+
+def test_the_optimizer_step_waits_for_the_background_copy(tmp_path, monkeypatch):
+    release = _hold_background(monkeypatch)
+    model, opt, sched = _training()
+    ckpt = Checkpointer(tmp_path / "run", async_save=True)
+    at_save = {**_params(model), **{f"{n}.exp_avg": opt.state[p]["exp_avg"].clone()
+                                   for n, p in model.named_parameters()}}
+    timing = ckpt.save(1, model=model, optimizer=opt, scheduler=sched)
+    assert timing.blocked_s < 0.25
+    model(torch.randn(3, 4)).sum().backward()  # forward and backward run while the copy is pending
+    threading.Timer(0.3, release.set).start()
+    opt.step()  # waits for the copy
+    assert timing.blocked_s >= 0.25
+    ckpt.wait()
+    saved = tm.open(tmp_path / "run" / "step-00000001")
+    for name, p in model.named_parameters():
+        assert not torch.equal(p.detach(), at_save[name])  # the step changed it, after the copy
+        assert np.array_equal(saved[f"model.{name}"].read(), at_save[name].numpy())
+        assert np.array_equal(saved[f"optimizer.state.{name}.exp_avg"].read(), at_save[f"{name}.exp_avg"].numpy())
+
+
+def test_a_parameter_changed_in_place_before_the_copy_fails_the_save(tmp_path, monkeypatch):
+    release = _hold_background(monkeypatch)
+    model, opt, _ = _training()
+    ckpt = Checkpointer(tmp_path / "run", async_save=True)
+    ckpt.save(1, model=model, optimizer=opt)
+    with torch.no_grad():
+        model[1].bias.add_(1.0)  # not the optimizer: nothing waits for the copy
+    release.set()
+    with pytest.raises(CheckpointError, match="'model.1.bias'.*changed in place after save"):
+        ckpt.wait()
+    assert ckpt.list() == []
 
 
 def test_background_error_is_raised_at_the_next_save_and_nothing_is_deleted(tmp_path, monkeypatch):

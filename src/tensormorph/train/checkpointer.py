@@ -161,6 +161,35 @@ class _IgnoreSignals:
             self.inner(worker_id)
 
 
+@dataclass
+class _Copy:
+    """A copy into a staging buffer left to the background thread, with the source's version when deferred."""
+
+    name: str
+    buffer: torch.Tensor
+    source: torch.Tensor
+    version: int
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _owned_by(model: Any, optimizers: tuple[Any, ...]) -> set[int]:
+    """Storages that only an optimizer step changes: the parameters (their local shards) and optimizer state."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    owned = {_storage(local(p)) for p in model.parameters()} if model is not None else set()
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            owned.update(_storage(local(v)) for v in state.values() if isinstance(v, torch.Tensor))
+    owned.discard(0)  # empty tensors share no memory worth tracking
+    return owned
+
+
 def _generator_state(loader: Any) -> bytes | None:
     generator = getattr(loader, "generator", None)
     return generator.get_state().numpy().tobytes() if isinstance(generator, torch.Generator) else None
@@ -199,6 +228,10 @@ class Checkpointer:
             self._g.control = dist.new_group(backend="gloo")
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._staged = threading.Event()  # clear while the background thread still copies state
+        self._staged.set()
+        self._inflight: SaveTiming | None = None
+        self._fences: dict[int, Any] = {}  # id(optimizer) -> handle of its step pre-hook
         self._manifest_cache: dict[Path, tuple[tuple[int, int], CheckpointInfo | None]] = {}
         self._pending_rng: dict[str, Any] | None = None
         self._signals: tuple[int, ...] = ()
@@ -302,8 +335,11 @@ class Checkpointer:
         """Save the training state at `step` as `<root>/step-NNNNNNNN` (collective: every rank calls it).
 
         Synchronous: returns once the checkpoint is committed. Asynchronous: returns once the state
-        is copied to CPU memory; an error in the background is raised by the next save or wait.
-        After a stop request (`save_on_signal`) it waits for the commit and exits the process.
+        is captured; an error in the background is raised by the next save or wait. With an optimizer,
+        the CPU parameters and optimizer state are copied by the background thread while the next
+        forward and backward run, and the optimizer's next step waits for that copy: they must not be
+        changed in place otherwise until then (a change is detected and fails the save). After a stop
+        request (`save_on_signal`) it waits for the commit and exits the process.
         """
         started = time.perf_counter()
         self.wait()
@@ -314,14 +350,19 @@ class Checkpointer:
         timing = SaveTiming(step, path)
         self.timings.append(timing)
         if self.async_save:
-            staged = self._stage(state)
-            self._thread = threading.Thread(target=self._write_in_background, args=(staged, path, meta, timing,
-                                                                                    started),
+            optimizers = _optimizers(optimizer)
+            staged, deferred = self._stage(state, _owned_by(model, optimizers) if optimizers else set())
+            if deferred:
+                self._fence(optimizers)
+                self._staged.clear()
+            self._inflight = timing
+            self._thread = threading.Thread(target=self._write_in_background,
+                                            args=(staged, deferred, path, meta, timing, started),
                                             name=f"tensormorph-save-{step}")
             self._thread.start()
         else:
             self._write(state, path, meta, timing, started)
-        timing.blocked_s = time.perf_counter() - started
+        timing.blocked_s += time.perf_counter() - started
         if self._stopping:
             self.wait()
             self._barrier()
@@ -376,13 +417,15 @@ class Checkpointer:
         self._seq += 1
         return state, meta
 
-    def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A copy of `state` that training cannot change: tensors copied into reused CPU buffers
-        (pinned when the source is on a GPU), plain values deep-copied."""
+    def _stage(self, state: dict[str, Any], deferrable: set[int]) -> tuple[dict[str, Any], list[_Copy]]:
+        """A copy of `state` that training cannot change: tensors go into reused CPU buffers (pinned when
+        the source is on a GPU), plain values are deep-copied. CPU tensors whose storage is in `deferrable`
+        are not copied yet: their copies are returned, for the background thread."""
         from torch.distributed.tensor import DTensor
 
         buffers = self._g.buffers
         on_gpu = False
+        deferred: list[_Copy] = []
 
         def copy_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
             nonlocal on_gpu
@@ -391,8 +434,11 @@ class Checkpointer:
             if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
                 buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.is_cuda)
                 buffers[name] = buffer
-            on_gpu |= local.is_cuda
-            buffer.copy_(local.detach(), non_blocking=local.is_cuda)
+            if not local.is_cuda and _storage(local) in deferrable:
+                deferred.append(_Copy(name, buffer, local.detach(), local._version))
+            else:
+                on_gpu |= local.is_cuda
+                buffer.copy_(local.detach(), non_blocking=local.is_cuda)
             if isinstance(tensor, DTensor):
                 # the same placements and global shape over the CPU copy (from_local would move it back)
                 return DTensor(buffer, tensor._spec, requires_grad=False)
@@ -401,7 +447,20 @@ class Checkpointer:
         staged = _walk(state, copy_tensor, lambda name, value: copy.deepcopy(value))
         if on_gpu:
             torch.cuda.synchronize()
-        return staged
+        return staged, deferred
+
+    def _fence(self, optimizers: tuple[Any, ...]) -> None:
+        """Make each optimizer's step wait until the background copy of the parameters and its state is done."""
+        for optimizer in optimizers:
+            if id(optimizer) not in self._fences:
+                self._fences[id(optimizer)] = optimizer.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._staged.is_set():
+            started = time.perf_counter()
+            self._staged.wait()
+            if self._inflight is not None:
+                self._inflight.blocked_s += time.perf_counter() - started
 
     def _write(self, state: dict[str, Any], path: Path, meta: dict[str, Any], timing: SaveTiming,
                started: float) -> None:
@@ -410,9 +469,20 @@ class Checkpointer:
         if self._g.rank == 0:
             self._retain()
 
-    def _write_in_background(self, state: dict[str, Any], path: Path, meta: dict[str, Any], timing: SaveTiming,
-                             started: float) -> None:
+    def _write_in_background(self, state: dict[str, Any], deferred: list[_Copy], path: Path, meta: dict[str, Any],
+                             timing: SaveTiming, started: float) -> None:
         try:
+            try:
+                for job in deferred:
+                    job.buffer.copy_(job.source)
+                    # unchanged after the copy: nothing wrote to it since save() began, so the copy is whole
+                    if job.source._version != job.version:
+                        raise CheckpointError(
+                            "was changed in place after save() returned and before its background copy finished "
+                            "(only the optimizer's step may change parameters then, and it waits for the copy); "
+                            "the checkpoint was not written", file=str(path), tensor=job.name)
+            finally:
+                self._staged.set()
             self._write(state, path, meta, timing, started)
         except BaseException as exc:  # handed to the training thread at its next save or wait
             self._error = exc
@@ -576,8 +646,11 @@ class Checkpointer:
         return flag
 
     def close(self) -> None:
-        """Wait for the save in flight and release the process groups."""
+        """Wait for the save in flight, unhook the optimizers and release the process groups."""
         self.wait()
+        for handle in self._fences.values():
+            handle.remove()
+        self._fences.clear()
         if self._g.distributed:
             for group in (self._g.save, self._g.control):
                 dist.destroy_process_group(group)
