@@ -99,19 +99,22 @@ class BoxReader:
 
     def _restore(self, file: str, damage: CheckpointError) -> None:
         """Rebuild a damaged data file from its stripe (once, under the lock), checked against its CRC-32C."""
-        from .formats.tensormorph import all_files, recover
+        from .formats.tensormorph import all_files, group_of, recover
 
         with self._restore_lock:
             if file in self._rebuilt:
                 return
             records = all_files(self.manifest)
-            intact = {name for name, record in records.items() if name != file and self._intact(name, record)}
-            data = bytearray()
+            intact = {name for name in group_of(self.manifest, file)
+                      if name != file and self._intact(name, records[name])}
             record = records[file]
+            data = bytearray(record.size)
             try:
+                position = 0
                 for piece in recover(self.manifest, file, intact, self._read_range):
-                    data += piece
-                if (len(data), crc32c.crc32c(data)) != (record.size, record.crc32c):
+                    data[position:position + len(piece)] = piece
+                    position += len(piece)
+                if (position, crc32c.crc32c(data)) != (record.size, record.crc32c):
                     raise CheckpointError("the rebuilt bytes do not match its recorded CRC-32C")
             except CheckpointError as exc:
                 lost = sorted({n for n, t in self.manifest.tensors.items() for c in t.chunks if c.file == file})
@@ -121,7 +124,7 @@ class BoxReader:
                     tensor=lost[0] if lost else None) from None
             warnings.warn(f"{self._name(file)}: {damage.reason}; rebuilt from {self.manifest.redundancy.scheme} "
                           "redundancy for this load (run `tensormorph repair` to fix the file)", stacklevel=2)
-            self._rebuilt[file] = memoryview(bytes(data))
+            self._rebuilt[file] = memoryview(data)
 
     def _intact(self, name: str, record) -> bool:
         try:

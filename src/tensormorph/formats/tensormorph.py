@@ -99,6 +99,21 @@ def all_files(manifest: Manifest) -> dict[str, FileRecord]:
     return {**manifest.files, **(manifest.redundancy.files if manifest.redundancy else {})}
 
 
+def group_of(manifest: Manifest, name: str) -> tuple[str, ...]:
+    """The files that can rebuild `name`: its stripe (data and parity), or its copies; () without redundancy."""
+    plan = manifest.redundancy
+    if plan is None:
+        return ()
+    scheme = parse_scheme(plan.scheme)
+    if scheme.kind == "replicate":
+        for data in manifest.files:
+            copies = (data, *(replica_file(data, c) for c in range(1, scheme.copies)))
+            if name in copies:
+                return copies
+        return ()
+    return next((data + parity for data, parity in plan.stripes if name in data or name in parity), ())
+
+
 def recover(manifest: Manifest, lost: str, intact: set[str], read: Callable[[str, int, int], bytes]) -> Iterator[bytes]:
     """The bytes of file `lost`, rebuilt from parity or a copy; CheckpointError when beyond the redundancy."""
     plan = manifest.redundancy
