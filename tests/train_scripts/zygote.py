@@ -81,7 +81,20 @@ def _wait(pid: int, timeout: float) -> int | None:
         time.sleep(0.01)
 
 
+def _signal(pid: int, sig: int, group: bool) -> None:
+    try:
+        if not group:
+            raise ProcessLookupError
+        os.killpg(pid, sig)
+    except ProcessLookupError:  # not yet its own session leader: the process alone
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def main() -> None:
+    running: set[int] = set()
     print(json.dumps({"ready": os.getpid()}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
@@ -90,24 +103,23 @@ def main() -> None:
             pid = os.fork()
             if pid == 0:
                 _child(request["target"], request["argv"], request["log"])
+            running.add(pid)
             reply = {"pid": pid}
         elif cmd == "wait":
-            reply = {"code": _wait(request["pid"], request["timeout"])}
+            code = _wait(request["pid"], request["timeout"])
+            if code is not None:
+                running.discard(request["pid"])
+            reply = {"code": code}
         elif cmd == "kill":
-            sig = request.get("signal", signal.SIGKILL)
-            try:
-                if not request.get("group", True):
-                    raise ProcessLookupError
-                os.killpg(request["pid"], sig)
-            except ProcessLookupError:  # not yet its own session leader: the process alone
-                try:
-                    os.kill(request["pid"], sig)
-                except ProcessLookupError:
-                    pass
+            _signal(request["pid"], request.get("signal", signal.SIGKILL), request.get("group", True))
             reply = {}
         else:
             break
         print(json.dumps(reply), flush=True)
+    # the test side is gone (finished or failed): no process of ours outlives it
+    for pid in running:
+        _signal(pid, signal.SIGKILL, True)
+        _wait(pid, 30)
 
 
 if __name__ == "__main__":

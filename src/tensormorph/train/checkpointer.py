@@ -26,8 +26,9 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from ..distributed import load as tm_load
 from ..distributed import save as tm_save
 from ..errors import CheckpointError
 from ..manifest import MANIFEST, TEMP_PREFIX, encode_value, parse
-from . import rng
+from . import rng, workers
 from .plain import from_plain, to_plain
 from .sampler import ResumableSampler
 
@@ -69,7 +70,8 @@ class SaveTiming:
 
     step: int
     path: Path
-    blocked_s: float = 0.0  # time inside save(): waiting for the previous save, collecting, staging
+    blocked_s: float = 0.0  # inside save() (waiting for the previous save, capturing), plus the optimizer
+    # step's wait for the background copy
     durable_s: float | None = None  # from the call until the commit; None while in flight
 
 
@@ -82,7 +84,6 @@ class _Group:
     world: int = 1
     save: Any = None  # gloo group used by the (background) save: its collectives never meet the training's
     control: Any = None  # gloo group for the main thread's agreement (resume choice, stop requests)
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _optimizers(optimizer: Any) -> tuple[Any, ...]:
@@ -144,23 +145,6 @@ def _walk(state: dict[str, Any], on_tensor: Callable[[str, torch.Tensor], Any],
     return {k: visit(v, k) for k, v in state.items()}
 
 
-class _IgnoreSignals:
-    """A DataLoader `worker_init_fn`: the worker ignores the preemption signals, then runs the loader's own.
-
-    A preempted machine signals every process, DataLoader workers included; torch's workers die of it and
-    take the training step with them. Ignoring it, they live until the training process shuts them down
-    (or until it is gone). A class at module level, so loaders that spawn their workers can pickle it."""
-
-    def __init__(self, signals: tuple[int, ...], inner: Callable[[int], None] | None):
-        self.signals, self.inner = signals, inner
-
-    def __call__(self, worker_id: int) -> None:
-        for sig in self.signals:
-            signal.signal(sig, signal.SIG_IGN)
-        if self.inner is not None:
-            self.inner(worker_id)
-
-
 @dataclass
 class _Copy:
     """A copy into a staging buffer left to the background thread, with the source's version when deferred."""
@@ -188,6 +172,14 @@ def _owned_by(model: Any, optimizers: tuple[Any, ...]) -> set[int]:
             owned.update(_storage(local(v)) for v in state.values() if isinstance(v, torch.Tensor))
     owned.discard(0)  # empty tensors share no memory worth tracking
     return owned
+
+
+@dataclass
+class _Generators:
+    """One rank's saved generator states, and its DataLoader's own generator's (when it has one)."""
+
+    states: dict[str, Any] | None
+    loader: bytes | None = None
 
 
 def _generator_state(loader: Any) -> bytes | None:
@@ -231,9 +223,10 @@ class Checkpointer:
         self._staged = threading.Event()  # clear while the background thread still copies state
         self._staged.set()
         self._inflight: SaveTiming | None = None
-        self._fences: dict[int, Any] = {}  # id(optimizer) -> handle of its step pre-hook
+        self._fences: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # optimizer -> hook
+        self._buffers: dict[str, torch.Tensor] = {}  # staging buffers by state name, reused between saves
         self._manifest_cache: dict[Path, tuple[tuple[int, int], CheckpointInfo | None]] = {}
-        self._pending_rng: dict[str, Any] | None = None
+        self._pending: _Generators | None = None  # generator states waiting for the loader's first index
         self._signals: tuple[int, ...] = ()
         self._signalled = False
         self._stopping = False
@@ -286,11 +279,15 @@ class Checkpointer:
             return None
         meta = manifest.extra.get(TRAIN_KEY)
         info = None
-        if isinstance(meta, dict):
-            info = CheckpointInfo(step=meta["step"], path=folder, time=meta["time"],
-                                  size=sum(f.size for f in manifest.files.values()) + stat.st_size,
-                                  world_size=manifest.world_size, mesh=meta.get("mesh"), seq=meta["seq"],
-                                  components=tuple(meta["components"]))
+        if meta is not None:  # other Tensormorph checkpoints in the folder are not training checkpoints
+            try:
+                info = CheckpointInfo(step=int(meta["step"]), path=folder, time=float(meta["time"]),
+                                      size=sum(f.size for f in manifest.files.values()) + stat.st_size,
+                                      world_size=manifest.world_size, mesh=meta.get("mesh"), seq=int(meta["seq"]),
+                                      components=tuple(meta["components"]))
+            except (KeyError, TypeError, ValueError) as exc:
+                warnings.warn(f"ignoring a checkpoint whose manifest has an incomplete training record ({exc!r}): "
+                              f"{manifest_path}", stacklevel=3)
         self._manifest_cache[folder] = (key, info)
         return info
 
@@ -399,13 +396,14 @@ class Checkpointer:
             state["extra"] = extra
         rank = self._g.rank
         # a restore still waiting for the loader's first index is the state this process is really in
-        state[f"rng.rank{rank}"] = self._pending_rng if self._pending_rng is not None else rng.capture()
+        pending = self._pending
+        state[f"rng.rank{rank}"] = pending.states if pending is not None and pending.states else rng.capture()
         if dataloader is not None:
             self._guard_workers(dataloader)
             kind, sampler, loader = _loader_parts(dataloader)
             if kind == "sampler":
-                state[f"data.rank{rank}"] = {"kind": kind, "state": sampler.state_dict(),
-                                             "generator": _generator_state(loader)}
+                generator = pending.loader if pending is not None and pending.loader else _generator_state(loader)
+                state[f"data.rank{rank}"] = {"kind": kind, "state": sampler.state_dict(), "generator": generator}
             else:
                 state[f"data.rank{rank}"] = {"kind": kind, "state": to_plain(loader.state_dict(), "dataloader")}
         components = [k for k in ("model", "optimizer", "scheduler", "scaler", "extra") if k in state]
@@ -423,7 +421,7 @@ class Checkpointer:
         are not copied yet: their copies are returned, for the background thread."""
         from torch.distributed.tensor import DTensor
 
-        buffers = self._g.buffers
+        buffers = self._buffers
         on_gpu = False
         deferred: list[_Copy] = []
 
@@ -452,8 +450,8 @@ class Checkpointer:
     def _fence(self, optimizers: tuple[Any, ...]) -> None:
         """Make each optimizer's step wait until the background copy of the parameters and its state is done."""
         for optimizer in optimizers:
-            if id(optimizer) not in self._fences:
-                self._fences[id(optimizer)] = optimizer.register_step_pre_hook(self._before_step)
+            if optimizer not in self._fences:
+                self._fences[optimizer] = optimizer.register_step_pre_hook(self._before_step)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._staged.is_set():
@@ -495,9 +493,10 @@ class Checkpointer:
         0 when there is nothing to resume. Collective. `self.extra` becomes the saved `extra`.
 
         Strict: every mismatch between the given state and the checkpoint (missing or unexpected
-        entries, other shapes or dtypes, components saved but not given) raises one StateMismatchError.
-        On another world size, model and optimizer are resharded, a ResumableSampler continues at the
-        same global sample, and per-rank random streams are re-seeded from the step and the rank.
+        entries, other shapes or dtypes, components saved but not given) raises one StateMismatchError,
+        before anything is loaded; with strict=False what matches is loaded. On another world size, model
+        and optimizer are resharded, a ResumableSampler continues at the same global sample, and per-rank
+        random streams are re-seeded from the run's seed, the step and the rank.
         """
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, \
             set_model_state_dict, set_state_dict
@@ -505,25 +504,12 @@ class Checkpointer:
         self.wait()
         if dataloader is not None:
             self._guard_workers(dataloader)
-        chosen: Any = None
-        if self._g.rank == 0:
-            infos = self.list()
-            if step is not None:
-                infos = [i for i in infos if i.step == step]
-                if not infos:
-                    chosen = ("error", f"has no committed checkpoint of step {step}")
-            if infos:
-                chosen = ("ok", str(infos[-1].path))
-        chosen = self._broadcast(chosen)
-        if chosen is None:
+        path = self._choose(step)
+        if path is None:
             self.extra = None
             return 0
-        if chosen[0] == "error":
-            raise CheckpointError(chosen[1], file=str(self.root))
-        path = Path(chosen[1])
         manifest = parse((path / MANIFEST).read_bytes(), str(path / MANIFEST))
         meta = manifest.extra[TRAIN_KEY]
-        same_world = meta["world_size"] == self._g.world
         optimizers = _optimizers(optimizer)
         if optimizers and model is None:
             raise ValueError("optimizer state is keyed by the model's parameter names: pass model= as well")
@@ -545,11 +531,8 @@ class Checkpointer:
         for name in manifest.objects:
             if name.startswith(("rng.rank", "data.rank")):
                 target[name] = None
-        kind = sampler = loader = None
-        if dataloader is not None:
-            kind, sampler, loader = _loader_parts(dataloader)
-            if not any(n.startswith("data.rank") for n in manifest.objects):
-                target["data.rank0"] = None  # reported as missing: the checkpoint holds no data position
+        if dataloader is not None and not any(n.startswith("data.rank") for n in manifest.objects):
+            target["data.rank0"] = None  # reported as missing: the checkpoint holds no data position
 
         tm_load(path, target, strict=strict)
 
@@ -564,57 +547,70 @@ class Checkpointer:
         if scaler is not None:
             scaler.load_state_dict(target["scaler"])
         self.extra = target.get("extra")
-        saved_world = meta["world_size"]
-        rank = self._g.rank
 
-        generators = target.get(f"rng.rank{rank}") if same_world else None
-        loader_generator = None
-        defer = False
-        if dataloader is not None:
-            data = [target.get(f"data.rank{r}") for r in range(saved_world)]
-            if any(d is None for d in data):
-                raise CheckpointError("holds no data position for every rank", file=str(path))
-            if any(d["kind"] != kind for d in data):
-                raise CheckpointError(f"holds a {data[0]['kind']} data position, and a {kind} was given",
-                                      file=str(path))
-            mine = data[rank] if same_world else None
-            if kind == "stateful":
-                if not same_world:
-                    raise CheckpointError(
-                        f"was saved on {saved_world} ranks and is resumed on {self._g.world}: a StatefulDataLoader's "
-                        "state is one rank's share of the data and cannot be split anew; use a ResumableSampler, or "
-                        "resume without dataloader= to start the data afresh", file=str(path))
-                loader.load_state_dict(from_plain(mine["state"]))
-                # StatefulDataLoader makes its iterator here, drawing from the global generator; the restore
-                # below comes after that draw, so the resumed run's streams match the uninterrupted one's
-                loader.state_dict()
-            else:
-                sampler.load_states([mine["state"]] if same_world else [d["state"] for d in data],
-                                    same_world=same_world)
-                if mine is not None and mine["generator"] is not None and loader is not None:
-                    loader_generator = mine["generator"]
-                completed = all(d["state"]["complete"] for d in data)
-                # A DataLoader draws from a generator when it makes an iterator. After a save mid-epoch (or
-                # with persistent workers, which keep theirs) the uninterrupted run made no iterator at this
-                # point, so the restore waits for the loader's first index, after the resumed run's draw.
-                defer = loader is not None and not (completed and not (loader.persistent_workers
-                                                                       and loader.num_workers > 0))
-
-        def restore() -> None:
-            self._pending_rng = None
-            if generators is not None:
-                rng.restore(generators)
-            if loader_generator is not None:
-                loader.generator.set_state(torch.frombuffer(bytearray(loader_generator), dtype=torch.uint8))
-
-        if generators is None:
+        rank, same_world = self._g.rank, meta["world_size"] == self._g.world
+        generators = _Generators(target.get(f"rng.rank{rank}") if same_world else None)
+        if generators.states is None:
             rng.reseed(rng.derive_seed(meta["seed"], meta["step"], rank, self._g.world))
-        if defer:
-            self._pending_rng = generators
-            sampler._on_first_index = restore
+        data = [target.get(f"data.rank{r}") for r in range(meta["world_size"])]
+        if dataloader is None or any(d is None for d in data):  # no position saved: only with strict=False
+            self._restore(generators, None)
+            return int(meta["step"])
+        kind, sampler, loader = _loader_parts(dataloader)
+        if any(d["kind"] != kind for d in data):
+            raise CheckpointError(f"holds a {data[0]['kind']} data position, and a {kind} was given", file=str(path))
+        mine = data[rank] if same_world else None
+        if kind == "stateful":
+            if not same_world:
+                raise CheckpointError(
+                    f"was saved on {meta['world_size']} ranks and is resumed on {self._g.world}: a "
+                    "StatefulDataLoader's state is one rank's share of the data and cannot be split anew; use a "
+                    "ResumableSampler, or resume without dataloader= to start the data afresh", file=str(path))
+            loader.load_state_dict(from_plain(mine["state"]))
+            # StatefulDataLoader makes its iterator here, drawing from the global generator; the restore
+            # below comes after that draw, so the resumed run's streams match the uninterrupted one's
+            loader.state_dict()
+            self._restore(generators, None)
+            return int(meta["step"])
+        sampler.load_states([mine["state"]] if same_world else [d["state"] for d in data], same_world=same_world)
+        if loader is None:  # the sampler alone: whoever iterates it makes no draw of its own
+            self._restore(generators, None)
+            return int(meta["step"])
+        generators.loader = mine["generator"] if mine is not None else None
+        completed = all(d["state"]["complete"] for d in data)
+        # A DataLoader draws from a generator when it makes an iterator. At the end of an epoch the
+        # uninterrupted run made one at this point too (unless its workers persist, keeping theirs), so the
+        # generators are restored now and the draws match. Mid-epoch it made none: the restore waits for
+        # the resumed loader's first index, which comes after that loader's draw.
+        if completed and not (loader.persistent_workers and loader.num_workers > 0):
+            self._restore(generators, loader)
         else:
-            restore()
+            self._pending = generators
+            sampler._on_first_index = lambda: self._restore(generators, loader)
         return int(meta["step"])
+
+    def _choose(self, step: int | None) -> Path | None:
+        """The checkpoint to resume, chosen by rank 0 for all: the newest, or the newest of `step`."""
+        chosen: Any = None
+        if self._g.rank == 0:
+            infos = self.list()
+            if step is not None:
+                infos = [i for i in infos if i.step == step]
+                if not infos:
+                    chosen = ("error", f"has no committed checkpoint of step {step}")
+            if infos:
+                chosen = ("ok", str(infos[-1].path))
+        chosen = self._broadcast(chosen)
+        if chosen is not None and chosen[0] == "error":
+            raise CheckpointError(chosen[1], file=str(self.root))
+        return Path(chosen[1]) if chosen is not None else None
+
+    def _restore(self, generators: _Generators, loader: Any) -> None:
+        self._pending = None
+        if generators.states is not None:
+            rng.restore(generators.states)
+        if generators.loader is not None and isinstance(getattr(loader, "generator", None), torch.Generator):
+            loader.generator.set_state(torch.frombuffer(bytearray(generators.loader), dtype=torch.uint8))
 
     # ---- preemption -----------------------------------------------------------------------------------
 
@@ -628,9 +624,8 @@ class Checkpointer:
             signal.signal(sig, self._on_signal)
 
     def _guard_workers(self, dataloader: Any) -> None:
-        init = getattr(dataloader, "worker_init_fn", None)
-        if self._signals and isinstance(dataloader, DataLoader) and not isinstance(init, _IgnoreSignals):
-            dataloader.worker_init_fn = _IgnoreSignals(self._signals, init)
+        if self._signals and isinstance(dataloader, DataLoader):
+            workers.guard(dataloader, self._signals)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signalled = True  # only a flag: a signal handler must not do I/O or collectives
@@ -648,7 +643,7 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for the save in flight, unhook the optimizers and release the process groups."""
         self.wait()
-        for handle in self._fences.values():
+        for handle in list(self._fences.values()):
             handle.remove()
         self._fences.clear()
         if self._g.distributed:
