@@ -23,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -318,27 +317,3 @@ def test_dataloader_workers_survive_a_storm_of_preemption_signals(zygote, tmp_pa
         code = zygote.ask(cmd="wait", pid=pid, timeout=0)["code"]
     assert code == 0, log.read_text()[-3000:]
     assert _wait_line(log, "DONE") == "DONE 40 True" and sent > 40
-
-
-def test_rng_state_round_trip():
-    import random as pyrandom
-
-    with torch.random.fork_rng():
-        pyrandom_state, np_state = pyrandom.getstate(), np.random.get_state()
-        try:
-            pyrandom.seed(1)
-            np.random.seed(2)
-            torch.manual_seed(3)
-            pyrandom.gauss(0, 1)
-            np.random.standard_normal()
-            state = tm_rng.capture()
-            expected = (pyrandom.random(), pyrandom.gauss(0, 1), np.random.standard_normal(), np.random.random(),
-                        torch.rand(3).tolist(), torch.randn(2).tolist())
-            tm_rng.reseed(99)
-            tm_rng.restore(state)
-            got = (pyrandom.random(), pyrandom.gauss(0, 1), np.random.standard_normal(), np.random.random(),
-                   torch.rand(3).tolist(), torch.randn(2).tolist())
-            assert got == expected
-        finally:
-            pyrandom.setstate(pyrandom_state)
-            np.random.set_state(np_state)

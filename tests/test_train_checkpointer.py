@@ -22,6 +22,7 @@ from tensormorph.errors import ChecksumError, CheckpointError, StateMismatchErro
 from tensormorph.manifest import MANIFEST, decode_value, encode_value
 from tensormorph.train import Checkpointer, ResumableSampler
 from tensormorph.train import checkpointer as checkpointer_module
+from tensormorph.train import rng as tm_rng
 from tensormorph.train.plain import from_plain, to_plain
 
 
@@ -188,9 +189,11 @@ def test_keep_decides_by_manifests_not_folder_names(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-00000002", "step-00000003"]
 
 
-def test_keep_must_leave_the_newest():
+def test_keep_must_leave_the_newest_and_the_root_must_be_a_folder():
     with pytest.raises(ValueError, match="keep must be at least 1"):
         Checkpointer("unused", keep=0)
+    with pytest.raises(ValueError, match="needs a local"):
+        Checkpointer("s3://bucket/run")
 
 
 def test_leftover_temporary_folders_are_removed_on_start(tmp_path):
@@ -427,6 +430,30 @@ def test_sampler_refuses_a_position_from_another_dataset():
     saved = ResumableSampler(10, 1, 0).state_dict()
     with pytest.raises(CheckpointError, match="length=10.*length=11"):
         ResumableSampler(11, 1, 0).load_state_dict(saved)
+
+
+def test_generator_states_round_trip():
+    import random as pyrandom
+
+    with torch.random.fork_rng():
+        pyrandom_state, np_state = pyrandom.getstate(), np.random.get_state()
+        try:
+            pyrandom.seed(1)
+            np.random.seed(2)
+            torch.manual_seed(3)
+            pyrandom.gauss(0, 1)
+            np.random.standard_normal()
+            state = tm_rng.capture()
+            expected = (pyrandom.random(), pyrandom.gauss(0, 1), np.random.standard_normal(), np.random.random(),
+                        torch.rand(3).tolist(), torch.randn(2).tolist())
+            tm_rng.reseed(99)
+            tm_rng.restore(state)
+            got = (pyrandom.random(), pyrandom.gauss(0, 1), np.random.standard_normal(), np.random.random(),
+                   torch.rand(3).tolist(), torch.randn(2).tolist())
+            assert got == expected
+        finally:
+            pyrandom.setstate(pyrandom_state)
+            np.random.set_state(np_state)
 
 
 # ---- plain values -----------------------------------------------------------------------------------------

@@ -206,6 +206,9 @@ class Checkpointer:
                  redundancy: str | None = None):
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be at least 1 (the newest checkpoint is never deleted), got {keep}")
+        if "://" in os.fspath(root):
+            raise ValueError(f"{os.fspath(root)!r}: the Checkpointer needs a local (or shared) folder, whose renames "
+                             "commit checkpoints; tensormorph.save writes single checkpoints to object stores")
         self.root = Path(root).absolute()
         self.keep = keep
         self.async_save = async_save

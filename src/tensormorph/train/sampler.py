@@ -55,7 +55,7 @@ class _Pass:
     def consumed(self) -> tuple[int, bool]:
         """(samples of this pass training has taken, whether the pass is complete)."""
         it = self.loader_iter() if self.loader_iter is not None else None
-        if it is None:  # iterated directly: every index handed out was used
+        if it is None:  # iterated directly (or its loader's iterator is gone): what was handed out counts
             return self.handed, self.finished
         if getattr(it, "_in_order", True) is False:
             raise CheckpointError("the DataLoader has in_order=False: batches arrive out of order, so no position "
