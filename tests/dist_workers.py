@@ -14,7 +14,8 @@ from pathlib import Path
 
 # tensor name -> (global shape, dtype name, placements on the 2x2 save mesh, seed)
 SAVE_LAYOUT = {
-    "model.w": ((1003, 160), "float32", ("Shard(0)", "Shard(1)"), 1),  # uneven on both mesh dims
+    # uneven on both mesh dims; large against the 64 KiB checksum blocks, as real weights are
+    "model.w": ((4003, 1602), "float32", ("Shard(0)", "Shard(1)"), 1),
     "model.v": ((9, 6), "float32", ("Shard(1)", "Shard(0)"), 2),
     "model.b": ((7,), "bfloat16", ("Shard(0)", "Replicate()"), 3),
     "model.r": ((3, 5), "float32", ("Replicate()", "Replicate()"), 4),

@@ -21,8 +21,8 @@ from .ops.verify import verify
 
 __all__ = [
     "Checkpoint", "CheckpointError", "Chunk", "DEFAULT_READ_BUDGET", "LogicalTensor", "ObjectEntry", "Placement",
-    "convert", "detect", "diff", "load", "open", "plan", "save", "verify",
-]
+    "convert", "detect", "diff", "open", "verify",
+]  # save, load and plan load on first use (torch for the first two) and stay out of `import *`
 __version__ = "0.1.0"
 
 

@@ -3,8 +3,10 @@
 A rank that needs a box of a tensor intersects it with the stored chunks and
 reads, for each overlap, only the contiguous runs of bytes that hold it:
 with pread from a local file (into the destination's own memory when it is
-contiguous), or in coalesced ranged requests from an object store. Every
-checksum block that a run covers entirely is verified on the way.
+contiguous), or in coalesced ranged requests from an object store. With
+verification on, every checksum block a read touches is checked: the parts
+of the block the read did not cover are read too (at most a block's worth
+per edge), so no byte is used unverified.
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Sequence
 
 import crc32c
 import numpy as np
 
 from . import dtypes
+from .core import Chunk, validate_tiling
 from .errors import CheckpointError, ChecksumError, MissingFileError, TruncatedFileError
 from .layout import Box, box_runs, intersect
 from .locations import RemoteFiles
@@ -31,6 +33,9 @@ class BoxReader:
     """Reads boxes of the tensors of one manifest, from local files or an fsspec prefix."""
 
     def __init__(self, manifest: Manifest, files: LocalFiles | RemoteFiles, where: str, *, verify: bool = True):
+        for name, record in manifest.tensors.items():  # a gap would leave part of a destination unwritten
+            validate_tiling(name, record.shape, [Chunk(c.offsets, c.shape, c.file, c.byte_range, None)  # type: ignore[arg-type]
+                                                 for c in record.chunks], file=where)
         self.manifest, self.files, self.where, self.verify = manifest, files, where, verify
         self.bytes_read = 0
         self.blocks_verified = 0
@@ -85,12 +90,73 @@ class BoxReader:
             fd = self._fd(chunk.file)
             for i, s in enumerate(starts.tolist()):
                 self._pread(fd, chunk.file, base + s, into[i * run:(i + 1) * run])
-        with self._lock:
-            self.bytes_read += len(starts) * run
+        extra = 0
         if self.verify:
-            checked = sum(self._verify(name, chunk, s, into[i * run:(i + 1) * run]) for i, s in enumerate(starts.tolist()))
+            checked, extra = self._check(name, chunk, starts, run, into)
             with self._lock:
                 self.blocks_verified += checked
+        with self._lock:
+            self.bytes_read += len(starts) * run + extra
+
+    def _check(self, name: str, chunk: ChunkRecord, starts: np.ndarray, run: int, into: memoryview) -> tuple[int, int]:
+        """Verify every checksum block the runs touch; returns (blocks checked, bytes read to complete them).
+
+        A block's bytes are the covered parts (already in `into`) and the gaps between them, which are
+        read from the file; the CRC-32C runs over them in order.
+        """
+        nbytes = chunk.byte_range[1] - chunk.byte_range[0]
+        pieces: dict[int, list[tuple[int, int, int]]] = {}  # block -> (begin, end, position in `into`)
+        for i, start in enumerate(starts.tolist()):
+            position, end = start, start + run
+            while position < end:
+                block = position // CHECKSUM_BLOCK
+                stop = min(end, (block + 1) * CHECKSUM_BLOCK)
+                pieces.setdefault(block, []).append((position, stop, i * run + position - start))
+                position = stop
+        gaps = []
+        for block, parts in pieces.items():
+            position = block * CHECKSUM_BLOCK
+            for begin, end, _ in parts:
+                if begin > position:
+                    gaps.append((position, begin))
+                position = end
+            block_end = min((block + 1) * CHECKSUM_BLOCK, nbytes)
+            if position < block_end:
+                gaps.append((position, block_end))
+        fetched = dict(zip(gaps, self._read_ranges(chunk, gaps)))
+        for block, parts in pieces.items():
+            value, position = 0, block * CHECKSUM_BLOCK
+            for begin, end, offset in parts:
+                if begin > position:
+                    value = crc32c.crc32c(fetched[(position, begin)], value)
+                value = crc32c.crc32c(into[offset:offset + end - begin], value)
+                position = end
+            block_end = min((block + 1) * CHECKSUM_BLOCK, nbytes)
+            if position < block_end:
+                value = crc32c.crc32c(fetched[(position, block_end)], value)
+            if value != chunk.block_crc32c[block]:
+                begin = chunk.byte_range[0] + block * CHECKSUM_BLOCK
+                raise ChecksumError(
+                    f"bytes [{begin}, {chunk.byte_range[0] + block_end}) of the chunk at offsets {list(chunk.offsets)} "
+                    f"have CRC-32C {value:08x}, the manifest records {int(chunk.block_crc32c[block]):08x}: the file is "
+                    "damaged", file=self._name(chunk.file), tensor=name)
+        return len(pieces), sum(end - begin for begin, end in gaps)
+
+    def _read_ranges(self, chunk: ChunkRecord, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Bytes of [begin, end) ranges of a chunk (relative to its start)."""
+        base = chunk.byte_range[0]
+        rebuilt = self._rebuilt.get(chunk.file)
+        if rebuilt is not None:
+            return [bytes(rebuilt[base + b:base + e]) for b, e in ranges]
+        if isinstance(self.files, RemoteFiles):
+            return self.files.read_ranges(chunk.file, [(base + b, base + e) for b, e in ranges])
+        fd = self._fd(chunk.file)
+        out = []
+        for begin, end in ranges:
+            buffer = bytearray(end - begin)
+            self._pread(fd, chunk.file, base + begin, memoryview(buffer))
+            out.append(bytes(buffer))
+        return out
 
     def _read_range(self, file: str, begin: int, end: int) -> bytes:
         if isinstance(self.files, RemoteFiles):
@@ -105,17 +171,23 @@ class BoxReader:
             if file in self._rebuilt:
                 return
             records = all_files(self.manifest)
-            intact = {name for name in group_of(self.manifest, file)
-                      if name != file and self._intact(name, records[name])}
             record = records[file]
+            group = [name for name in group_of(self.manifest, file) if name != file]
             data = bytearray(record.size)
-            try:
+
+            def attempt(intact: set[str]) -> None:
                 position = 0
                 for piece in recover(self.manifest, file, intact, self._read_range):
                     data[position:position + len(piece)] = piece
                     position += len(piece)
                 if (position, crc32c.crc32c(data)) != (record.size, record.crc32c):
                     raise CheckpointError("the rebuilt bytes do not match its recorded CRC-32C")
+
+            try:
+                try:  # usually only this file is damaged: rebuild from the others without checking them first
+                    attempt(set(group))
+                except (CheckpointError, OSError):
+                    attempt({name for name in group if self._intact(name, records[name])})
             except CheckpointError as exc:
                 lost = sorted({n for n, t in self.manifest.tensors.items() for c in t.chunks if c.file == file})
                 raise CheckpointError(
@@ -171,28 +243,6 @@ class BoxReader:
                                          f"{done}", file=str(self.files.resolve(file)))
             done += count
 
-    def _verify(self, name: str, chunk: ChunkRecord, start: int, data: memoryview) -> int:
-        """Check every checksum block lying wholly inside the run [start, start + len(data)) of the chunk;
-        returns how many were checked."""
-        nbytes = chunk.byte_range[1] - chunk.byte_range[0]
-        block = first = -(-start // CHECKSUM_BLOCK)
-        while block * CHECKSUM_BLOCK < start + len(data):
-            begin, end = block * CHECKSUM_BLOCK, min((block + 1) * CHECKSUM_BLOCK, nbytes)
-            if end > start + len(data):
-                break
-            found = crc32c.crc32c(data[begin - start:end - start])
-            if found != chunk.block_crc32c[block]:
-                raise ChecksumError(
-                    f"bytes [{chunk.byte_range[0] + begin}, {chunk.byte_range[0] + end}) of the chunk at offsets "
-                    f"{list(chunk.offsets)} have CRC-32C {found:08x}, the manifest records "
-                    f"{chunk.block_crc32c[block]:08x}: the file is damaged", file=self._name(chunk.file), tensor=name)
-            block += 1
-        return block - first
-
     def _name(self, file: str) -> str:
         return f"{self.files.url}/{file}" if isinstance(self.files, RemoteFiles) else str(self.files.resolve(file))
 
-
-def needed_bytes(boxes: Sequence[tuple[str, Box]], manifest: Manifest) -> int:
-    """The bytes the given boxes hold: what an exact reader must read for them."""
-    return sum(int(np.prod(box[1])) * dtypes.itemsize(manifest.tensors[name].dtype) for name, box in boxes)

@@ -34,7 +34,10 @@ class ChunkSource(Protocol):
     """Produces a chunk's local data as a numpy array (ideally a lazy memory-mapped view).
 
     A source backed by a memory map may also offer `advise(index, advice)`, which reads use to
-    prefetch exactly the bytes of a region and to release them once copied.
+    prefetch exactly the bytes of a region and to release them once copied, and `read_into(index,
+    target)` to read a contiguous region straight into the result. A source with checksums offers
+    `verify(index)`, called before a region is read; its `array()` then returns data unchecked, while
+    `Chunk.read()` (the whole chunk) goes through `checked()` when the source has it.
     """
 
     def array(self) -> np.ndarray: ...
@@ -143,8 +146,9 @@ class Chunk:
         return math.prod(self.shape)
 
     def read(self) -> np.ndarray:
-        """This chunk's data (a read-only memory-mapped view where possible)."""
-        return self.source.array()
+        """This chunk's data (a read-only memory-mapped view where possible), checked when the format can."""
+        checked = getattr(self.source, "checked", None)
+        return checked() if checked is not None else self.source.array()
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -210,12 +214,15 @@ class LogicalTensor:
             source_index, target_index = selection
             advise = getattr(chunk.source, "advise", None)
             read_into = getattr(chunk.source, "read_into", None)
+            verify = getattr(chunk.source, "verify", None)
             try:
+                if verify is not None:
+                    verify(source_index)  # formats with block checksums check what this read touches
                 if read_into is not None and read_into(source_index, out[target_index]):
                     continue
                 if advise is not None:
                     advise(source_index, "willneed")  # the kernel fetches exactly these bytes, in parallel
-                out[target_index] = chunk.read()[source_index]
+                out[target_index] = chunk.source.array()[source_index] if verify else chunk.read()[source_index]
                 if advise is not None:
                     advise(source_index, "dontneed")  # copied: the mapped pages need not count in our memory
             except CheckpointError:
@@ -246,7 +253,7 @@ class LogicalTensor:
             return replace(self, name=f"{self.name}@rank{rank}", shape=chunk.shape,
                            chunks=(replace(chunk, offsets=(0,) * len(chunk.shape)),), placement=None)
         starts = [_flat_start(c, self.shape) for c in held]
-        ordered = sorted(zip(starts, held), key=lambda item: item[0])
+        ordered = sorted(zip(starts, held), key=lambda item: -1 if item[0] is None else item[0])
         position = ordered[0][0]
         for start, chunk in ordered:
             if start is None or start != position:

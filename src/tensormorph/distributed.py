@@ -31,7 +31,7 @@ from .formats import open_checkpoint
 from .formats import tensormorph as tm_format
 from .layout import Box
 from .locations import RemoteFiles, destination, is_url
-from .manifest import MANIFEST, parse, rank_file
+from .manifest import MANIFEST, MAX_MANIFEST_BYTES, decode_value, encode_value, parse, rank_file
 from .redundancy import parse_scheme, write_extras
 from .saving import Piece, build_manifest, plan_writers, redundancy_record, write_rank_file
 from .storage import LocalFiles
@@ -196,33 +196,38 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
         pieces.append(Piece(name, vocabulary, tuple(tensor.shape), box[0], box[1], rank, **facts))
         local_data[name] = local
     everyone = [p for ps in _all_gather(pieces, process_group, world) for p in ps] if distributed else pieces
-    target = destination(path, overwrite=overwrite, storage_options=storage_options)
 
-    # the first process prepares the destination; the others learn its name, or its error
+    # the first process prepares the destination; the others learn its name, or its error. Every
+    # failure is turned into a message that all ranks receive: none may be left waiting in a collective.
     outcome: Any = None
+    target = None
     if rank == 0:
         try:
             writers = plan_writers(everyone)
+            target = destination(path, overwrite=overwrite, storage_options=storage_options)
             outcome = ("ok", target.prepare())
-        except (CheckpointError, OSError) as exc:
+        except Exception as exc:
             outcome = ("error", f"{type(exc).__name__}: {exc}")
     if distributed:
         outcome = _broadcast(outcome, process_group)
     if outcome[0] == "error":
-        raise CheckpointError(f"save failed before writing: {outcome[1]}", file=target.describe())
+        raise CheckpointError(f"save failed before writing: {outcome[1]}", file=os.fspath(path))
     if rank != 0:
-        writers = plan_writers(everyone)
-    target.join(outcome[1])
-
+        writers = plan_writers(everyone)  # the same inputs as rank 0's, which succeeded
     mine = [p for p in pieces if writers.get(p.key) == rank]
     result: Any
     try:
+        if target is None:
+            target = destination(path, overwrite=overwrite, storage_options=storage_options)
+        target.join(outcome[1])
+        # plain values are checked here, on their own rank, so a bad one fails every rank cleanly
+        objects = {name: encode_value(value, name) for name, value in leaves.objects.items()}
         f = target.open(rank_file(rank))
         try:
             written = write_rank_file(f, rank, [(p, _blocks(local_data[p.name], p.dtype)) for p in mine])
         finally:
             target.finish_file(f)
-        result = ("ok", [p.key for p in mine], written, leaves.objects)
+        result = ("ok", [p.key for p in mine], written, objects)
     except Exception as exc:  # reported to the committing rank, which then refuses to commit
         result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}")
     results = _all_gather(result, process_group, world) if distributed else [result]
@@ -245,22 +250,21 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
             status = ("error", "; ".join(errors))
         else:
             try:
-                objects: dict[str, Any] = {}
+                merged: dict[str, Any] = {}
                 for r in reversed(results):  # the lowest rank's value wins for names several ranks hold
-                    objects.update(r[3])
+                    merged.update({name: decode_value(value) for name, value in r[3].items()})
                 written_by = {i: (r[1], r[2]) for i, r in enumerate(results)}
-                manifest = build_manifest(everyone, writers, written_by, objects, world, extra)
+                manifest = build_manifest(everyone, writers, written_by, merged, world, extra)
                 if scheme is not None:
                     manifest = replace(manifest, redundancy=redundancy_record(scheme, manifest.files, extras))
                 target.commit(manifest.to_bytes())
-            except (CheckpointError, OSError, TypeError, ValueError) as exc:
+            except Exception as exc:
                 status = ("error", f"{type(exc).__name__}: {exc}")
     if distributed:
         status = _broadcast(status, process_group)
     if status[0] == "error":
-        raise CheckpointError(f"save did not commit: {status[1]}", file=target.describe())
-    mine_bytes = result[2].size if result[0] == "ok" else 0
-    return SaveReport(target.describe(), rank, world, mine_bytes, time.perf_counter() - started)
+        raise CheckpointError(f"save did not commit: {status[1]}", file=os.fspath(path))
+    return SaveReport(target.describe(), rank, world, result[2].size, time.perf_counter() - started)
 
 
 def _blocks(tensor: torch.Tensor, vocabulary: str) -> Callable[[], Iterable[np.ndarray]]:
@@ -294,7 +298,8 @@ def _open_source(path: str | os.PathLike, storage_options: dict[str, Any] | None
         if not files.exists(MANIFEST):
             raise UncommittedCheckpointError(
                 "holds no manifest: not a committed Tensormorph checkpoint", file=files.url)
-        return None, BoxReader(parse(files.read_all(MANIFEST), where), files, files.url, verify=verify), "tensormorph"
+        raw = files.read_all(MANIFEST, MAX_MANIFEST_BYTES)
+        return None, BoxReader(parse(raw, where), files, files.url, verify=verify), "tensormorph"
     local = Path(os.fspath(path).removeprefix("file://"))
     if tm_format.detect(local):
         root = tm_format.root_of(local)
@@ -341,7 +346,7 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *, strict: bool = 
             for _ in pool.map(lambda job: _fill(job, stored[job[0]][0], reader, checkpoint), jobs):
                 report.tensors_loaded += 1
         for name, (container, key) in leaves.slots.items():
-            if name in objects:
+            if name in objects and not isinstance(container, tuple):
                 value = objects[name]
                 container[key] = value if reader is not None else value()
         report.bytes_read = reader.bytes_read if reader is not None else report.bytes_needed
@@ -394,6 +399,9 @@ def _match(leaves: _Leaves, stored: dict[str, tuple[str, tuple[int, ...]]], obje
         else:
             work.append(name)
     report.missing += [name for name in leaves.objects if name not in objects]
+    report.mismatched += [f"{name}: a plain value inside a tuple cannot be replaced in place (use a list)"
+                          for name, (container, _) in leaves.slots.items()
+                          if name in objects and isinstance(container, tuple)]
     report.unexpected += [name for name in stored if name not in leaves.tensors]
     report.unexpected += [name for name in objects if name not in leaves.objects]
     return work

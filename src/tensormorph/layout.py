@@ -20,7 +20,7 @@ from .errors import CheckpointError
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offsets, shape)
 
-_SHARD = re.compile(r"^S(?:hard)?\((-?\d+)\)$")
+SHARD_PATTERN = re.compile(r"^S(?:hard)?\((-?\d+)\)$")
 _REPLICATE = re.compile(r"^R(?:eplicate)?(?:\(\))?$")
 
 
@@ -29,7 +29,7 @@ def parse_placement(text: str, ndim: int) -> int | None:
     spec = text.replace(" ", "")
     if _REPLICATE.match(spec):
         return None
-    match = _SHARD.match(spec)
+    match = SHARD_PATTERN.match(spec)
     if match is None:
         raise CheckpointError(f"unknown placement {text!r}: expected Shard(d) or Replicate()")
     dim = int(match.group(1))
@@ -94,10 +94,6 @@ def assign_writers(holders: Mapping[object, tuple[int, Iterable[int]]]) -> dict[
         load[writer] = load.get(writer, 0) + nbytes
         chosen[key] = writer
     return chosen
-
-
-def box_numel(box: Box) -> int:
-    return math.prod(box[1])
 
 
 def box_runs(chunk_shape: Sequence[int], itemsize: int, start: Sequence[int], size: Sequence[int]) -> tuple[np.ndarray, int]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from collections.abc import Iterable
 from typing import Any, BinaryIO
 
-from .errors import CheckpointError, MissingFileError, TruncatedFileError, UnsafePathError
+from .errors import CheckpointError, HeaderError, MissingFileError, TruncatedFileError, UnsafePathError
 from .manifest import MANIFEST, SAVE_MARKER, TEMP_PREFIX
 
 
@@ -104,15 +104,19 @@ class LocalDestination(_Destination):
         _write_durably(self.work / MANIFEST, manifest)
         (self.work / SAVE_MARKER).unlink()
         _fsync_dir(self.work)
-        replaced = None
-        if self.final.exists():
+        if not self.final.exists():
+            os.rename(self.work, self.final)
+            _fsync_dir(self.final.parent)
+            return
+        if _exchange(self.work, self.final):  # one atomic step: the old checkpoint now sits at the work name
+            replaced = self.work
+        else:  # no renameat2 here: a short window where neither name holds a checkpoint
             replaced = self.final.parent / f"{TEMP_PREFIX}replaced-{self.final.name}-{uuid.uuid4().hex[:12]}"
             os.rename(self.final, replaced)
-        os.rename(self.work, self.final)
+            os.rename(self.work, self.final)
         _fsync_dir(self.final.parent)
-        if replaced is not None:
-            # freeing a large checkpoint's blocks takes a while and nothing waits for it
-            threading.Thread(target=shutil.rmtree, args=(replaced,), kwargs={"ignore_errors": True}).start()
+        # freeing a large checkpoint's blocks takes a while and nothing waits for it
+        threading.Thread(target=shutil.rmtree, args=(replaced,), kwargs={"ignore_errors": True}).start()
 
 
 class FsspecDestination(_Destination):
@@ -132,7 +136,9 @@ class FsspecDestination(_Destination):
         if self.fs.exists(f"{self.root}/{MANIFEST}"):
             if not self.overwrite:
                 raise CheckpointError("already holds a checkpoint; pass overwrite=True to replace it", file=self.url)
-            self.fs.rm(self.root, recursive=True)
+            # an object store cannot swap a prefix atomically: the old manifest goes first, so the prefix is
+            # never a valid checkpoint whose files are half replaced (save to a new prefix to keep the old one)
+            self.fs.rm_file(f"{self.root}/{MANIFEST}")
         self.fs.pipe_file(f"{self.root}/{SAVE_MARKER}",
                           json.dumps({"target": self.url, "started": time.time()}).encode())
         return ""
@@ -181,8 +187,12 @@ class RemoteFiles:
     def exists(self, name: str) -> bool:
         return self.fs.exists(self._key(name))
 
-    def read_all(self, name: str) -> bytes:
+    def read_all(self, name: str, max_bytes: int) -> bytes:
+        """A whole (small) file; HeaderError when it is larger than `max_bytes`."""
         try:
+            size = self.fs.size(self._key(name))
+            if size > max_bytes:
+                raise HeaderError(f"is {size} bytes, over the {max_bytes}-byte limit", file=f"{self.url}/{name}")
             data = self.fs.cat_file(self._key(name))
         except FileNotFoundError:
             raise MissingFileError("file is missing", file=f"{self.url}/{name}") from None
@@ -245,16 +255,21 @@ class _EarlyWriteback(io.RawIOBase):
         super().close()
 
 
-def _sync_file_range() -> Any:
+def _libc() -> Any:
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        function = libc.sync_file_range
-    except (OSError, AttributeError):
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
         return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+
+
+def _sync_file_range() -> Any:
+    function = getattr(_LIBC, "sync_file_range", None) if _LIBC is not None else None
+    if function is not None:
+        function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     return function
 
 
+_LIBC = _libc()
 _SYNC_FILE_RANGE = _sync_file_range()
 SYNC_FILE_RANGE_WRITE = 2  # from <fcntl.h>: start writeback of the range's dirty pages, do not wait
 
@@ -267,6 +282,15 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
 
 
 WRITEBACK_PIECE = 64 * 1024**2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where that is unavailable."""
+    renameat2 = getattr(_LIBC, "renameat2", None) if _LIBC is not None else None
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 def _write_durably(path: Path, data: bytes) -> None:

@@ -144,15 +144,6 @@ def rebuild(stripe: Stripe, k: int, m: int, lost: str, available: set[str], read
             yield bytes(block[:min(end, size) - begin])
 
 
-def crc_of(chunks: Iterator[bytes]) -> tuple[int, int]:
-    """(CRC-32C, length) of a stream of byte strings."""
-    value, length = 0, 0
-    for chunk in chunks:
-        value = crc32c.crc32c(chunk, value)
-        length += len(chunk)
-    return value, length
-
-
 def write_extras(scheme: Scheme, data_files: Sequence[tuple[str, int]], rank: int, world: int, read: Reader,
                  write: Callable[[str, Iterator[bytes]], None]) -> dict[str, tuple[int, int]]:
     """Write the parity files (or copies) that `rank` is responsible for; returns {file: (size, crc32c)}.

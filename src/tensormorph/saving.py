@@ -15,6 +15,7 @@ import math
 import platform
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import numpy as np
 
@@ -82,7 +83,7 @@ def plan_writers(pieces: Iterable[Piece]) -> dict[Key, int]:
     return assign_writers(holders)
 
 
-def write_rank_file(f, rank: int, chunks: Sequence[tuple[Piece, Callable[[], Iterable[np.ndarray]]]]) -> Written:
+def write_rank_file(f: BinaryIO, rank: int, chunks: Sequence[tuple[Piece, Callable[[], Iterable[np.ndarray]]]]) -> Written:
     """Stream one rank's chunks into a safetensors file (an open binary file object).
 
     Each chunk is stored under its tensor's name with its global offsets in DCP_SHARDING_INFO,
@@ -108,7 +109,8 @@ def build_manifest(pieces: Iterable[Piece], writers: dict[Key, int], written: di
         name = rank_file(rank)
         files[name] = FileRecord(result.size, result.crc32c, rank)
         for key, byte_range, crcs in zip(keys, result.ranges, result.block_crc32c):
-            stored[key] = ChunkRecord(name, key[1], key[2], byte_range, tuple(crcs), rank, tuple(sorted(holders[key])))
+            stored[key] = ChunkRecord(name, key[1], key[2], byte_range, np.asarray(crcs, dtype=np.uint32), rank,
+                                      tuple(sorted(holders[key])))
     missing = [key for key in writers if key not in stored]
     if missing:
         raise HeaderError(f"{len(missing)} chunks were planned but not written, e.g. {missing[0]}")

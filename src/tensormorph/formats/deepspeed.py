@@ -102,11 +102,14 @@ def load(files: LocalFiles, name: str) -> Any:
 
 def read_tag(latest: Path) -> str:
     """The tag a `latest` file names (one line of text)."""
-    size = latest.stat().st_size
+    real = latest.resolve()
+    if latest.parent.resolve() not in real.parents:
+        raise HeaderError(f"is a link to {real}, outside the checkpoint folder", file=str(latest))
+    size = real.stat().st_size
     if size > MAX_TAG_BYTES:
         raise HeaderError(f"is {size} bytes; a tag file holds one short line", file=str(latest))
     try:
-        tag = latest.read_bytes().decode("utf-8").strip()
+        tag = real.read_bytes().decode("utf-8").strip()
     except UnicodeDecodeError:
         raise HeaderError("is not UTF-8 text naming a tag", file=str(latest)) from None
     if not tag or "\n" in tag or "\x00" in tag:
@@ -151,7 +154,10 @@ def _optim_files(folder: Path) -> list[str]:
             raise HeaderError(f"{by_rank[rank]} and {entry.name} both hold data-parallel rank {rank}'s optimizer "
                               "states (a bf16 and a non-bf16 save mixed in one folder)", file=str(folder))
         by_rank[rank] = entry.name
-    missing = sorted(set(range(max(by_rank) + 1)) - set(by_rank)) if by_rank else [0]
+    # ranks must be 0..n-1 for n files; comparing against the count keeps a forged rank number cheap
+    missing = [r for r in range(len(by_rank)) if r not in by_rank] if by_rank else [0]
+    if not missing and max(by_rank) >= len(by_rank):
+        missing = [len(by_rank)]
     if missing:
         raise MissingFileError(f"the optimizer states of data-parallel ranks {missing} are missing "
                                f"(found {len(by_rank)} *_optim_states.pt files)", file=str(folder))

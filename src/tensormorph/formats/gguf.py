@@ -469,10 +469,15 @@ def _members(path: Path) -> tuple[Path, list[str]]:
     match = SPLIT_NAME.match(path.name)
     if match is None:
         return path.parent, [path.name]
+    if not 1 <= int(match.group("k")) <= int(match.group("n")):
+        raise HeaderError(f"is split {int(match.group('k'))} of {int(match.group('n'))}, which cannot be",
+                          file=str(path))
     return path.parent, _split_names(match.group("stem"), int(match.group("n")))
 
 
 def _split_names(stem: str, n: int) -> list[str]:
+    if n < 1:
+        raise HeaderError(f"names a split set of {n} files ({stem}-00001-of-{n:05d}.gguf); a set has at least one")
     return [f"{stem}-{k:05d}-of-{n:05d}.gguf" for k in range(1, n + 1)]
 
 

@@ -8,15 +8,18 @@ crash, or a rank that died): it is detected, and opening it says so.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import crc32c
+import numpy as np
 
-from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray, ObjectEntry, Placement, validate_tiling
+from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray, ObjectEntry, Placement, byte_runs, validate_tiling
 from ..errors import ChecksumError, CheckpointError, HeaderError, MissingFileError, TruncatedFileError, \
     UncommittedCheckpointError
-from ..manifest import MANIFEST, MAX_MANIFEST_BYTES, SAVE_MARKER, FileRecord, Manifest, TensorRecord, parse
+from ..manifest import CHECKSUM_BLOCK, MANIFEST, MAX_MANIFEST_BYTES, SAVE_MARKER, FileRecord, Manifest, TensorRecord, parse
 from ..redundancy import Stripe, parse_scheme, rebuild, replica_file
 from ..storage import LocalFiles
 from .. import dtypes
@@ -153,7 +156,8 @@ def open(path: Path) -> Checkpoint:
     for name, record in manifest.tensors.items():
         dtype = dtypes.numpy_dtype(record.dtype)
         chunks = [Chunk(c.offsets, c.shape, c.file, c.byte_range,
-                        MappedArray(files, c.file, c.byte_range[0], dtype, c.shape), c.holders or (c.rank,))
+                        CheckedArray(files, c.file, c.byte_range[0], dtype, c.shape, crcs=c.block_crc32c, tensor=name),
+                        c.holders or (c.rank,))
                   for c in record.chunks]
         chunks = validate_tiling(name, record.shape, chunks, file=str(root / MANIFEST))
         tensors[name] = LogicalTensor(name, record.dtype, record.shape, tuple(chunks), placement_of(record))
@@ -166,6 +170,43 @@ def open(path: Path) -> Checkpoint:
         metadata["damaged_files"] = damaged
     return Checkpoint(path=root, format=NAME, tensors=tensors, objects=objects, metadata=metadata,
                       files=tuple(sorted(manifest.files)), storage=files)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedArray(MappedArray):
+    """A chunk of a rank file whose reads check the CRC-32C of every block they touch (once each)."""
+
+    crcs: np.ndarray = field(default=None, repr=False)  # uint32 per CHECKSUM_BLOCK
+    tensor: str = ""
+    checked_blocks: set[int] = field(default_factory=set, repr=False, compare=False)
+
+    def verify(self, index: tuple[slice, ...]) -> None:
+        runs = byte_runs(self.offset, self.shape, None, self.dtype.itemsize, index)
+        blocks: set[int] = set()
+        for begin, end in runs:
+            blocks.update(range((begin - self.offset) // CHECKSUM_BLOCK, (end - 1 - self.offset) // CHECKSUM_BLOCK + 1))
+        self._check(blocks)
+
+    def checked(self) -> np.ndarray:
+        """The whole chunk, every block checked."""
+        self._check(set(range(len(self.crcs))))
+        return self.array()
+
+    def _check(self, blocks: set[int]) -> None:
+        todo = sorted(blocks - self.checked_blocks)
+        if not todo:
+            return
+        buffer = self.files.buffer(self.file)
+        nbytes = math.prod(self.shape) * self.dtype.itemsize
+        for block in todo:
+            begin = self.offset + block * CHECKSUM_BLOCK
+            end = self.offset + min(nbytes, (block + 1) * CHECKSUM_BLOCK)
+            found = crc32c.crc32c(buffer[begin:end])
+            if found != self.crcs[block]:
+                raise ChecksumError(f"bytes [{begin}, {end}) have CRC-32C {found:08x}, the manifest records "
+                                    f"{int(self.crcs[block]):08x}: the file is damaged",
+                                    file=str(self.files.resolve(self.file)), tensor=self.tensor)
+            self.checked_blocks.add(block)
 
 
 def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointError | None]]:

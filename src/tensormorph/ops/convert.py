@@ -189,6 +189,19 @@ def _to_safetensors(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
     return ConvertResult(destination, names, len(specs), written, skipped_objects=list(ck.objects))
 
 
+def _fit(placement: str, ndim: int) -> str:
+    """`Shard(d)` for a tensor of `ndim` dimensions (negative d counts from the end); a tensor without
+    dimension d (or a scalar) is replicated along that mesh dimension instead."""
+    from ..layout import SHARD_PATTERN
+
+    match = SHARD_PATTERN.match(placement.replace(" ", ""))
+    if match is None:
+        return "Replicate()"
+    dim = int(match.group(1))
+    dim = dim + ndim if dim < 0 else dim
+    return f"Shard({dim})" if 0 <= dim < ndim else "Replicate()"
+
+
 def _to_tensormorph(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
                     blocks: Callable[..., Iterator[np.ndarray]], mesh: tuple[int, ...],
                     placements: tuple[str, ...], redundancy: str | None) -> ConvertResult:
@@ -201,13 +214,11 @@ def _to_tensormorph(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
 
     scheme = parse_scheme(redundancy) if redundancy else None  # bad spellings fail before anything is written
     for text in placements:
-        parse_placement(text, 8)
+        parse_placement(text, 1 << 30)  # the spelling only: dimensions are fitted to each tensor below
     coordinates = list(itertools.product(*(range(n) for n in mesh)))
     pieces: list[list[Piece]] = [[] for _ in coordinates]
     for spec in specs:
-        # a Shard(d) that the tensor has no dimension d for replicates it along that mesh dimension
-        fitted = tuple(p if parse_placement(p, 8) is None or parse_placement(p, 8) < len(spec.shape) else "Replicate()"
-                       for p in placements)
+        fitted = tuple(_fit(p, len(spec.shape)) for p in placements)
         for rank, coordinate in enumerate(coordinates):
             offsets, shape = local_box(spec.shape, mesh, fitted, coordinate)
             pieces[rank].append(Piece(spec.name, spec.dtype, spec.shape, offsets, shape, rank, mesh,

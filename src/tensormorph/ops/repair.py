@@ -79,5 +79,5 @@ def _rewrite(files: LocalFiles, name: str, record: Any, chunks: Any) -> None:
     if (size, value) != (record.size, record.crc32c):
         part.unlink()
         raise CheckpointError(f"rebuilt {size} bytes with CRC-32C {value:08x}, the manifest records {record.size} "
-                              f"bytes with {record.crc32c:08x}: another file of its stripe is damaged too")
+                              f"bytes with {record.crc32c:08x}: a file it was rebuilt from is damaged too")
     os.replace(part, final)

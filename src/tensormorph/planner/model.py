@@ -10,7 +10,6 @@ and how tensor parallelism splits it. No tensor data is ever read.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -20,6 +19,8 @@ from typing import Any
 
 from .. import dtypes
 from ..core import Checkpoint
+from ..errors import CheckpointError
+from ..storage import LocalFiles
 from .spec import ELEMENT_BYTES, STORED_DTYPES, PlanError
 
 # Config keys vary by family; the first present wins.
@@ -184,11 +185,14 @@ def _display_name(path: Path) -> str:
     return path.parent.name if path.is_file() and (path.parent / "config.json").is_file() else path.name
 
 
+MAX_CONFIG_BYTES = 16 * 1024**2
+
+
 def _read_config(path: Path) -> dict[str, Any]:
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise PlanError(f"cannot read the model config: {exc}", file=str(path)) from None
+        config = LocalFiles(path.parent).read_json(path.name, MAX_CONFIG_BYTES, "config.json")
+    except CheckpointError as exc:
+        raise PlanError(f"cannot read the model config: {exc.reason}", file=str(path)) from None
     if not isinstance(config, dict):
         raise PlanError("config.json does not hold a JSON object", file=str(path))
     return config
@@ -284,6 +288,8 @@ def _layout_tensors(config: dict[str, Any], layout: dict[str, Any]) -> list[tupl
     layers = _positive(config, "layers", required=True)
     hidden = _positive(config, "hidden", required=True)
     heads = _positive(config, "heads", required=True)
+    if not heads:
+        raise PlanError("the model config's num_attention_heads is 0; a transformer has at least one head")
     vocab = _positive(config, "vocab", required=True)
     intermediate = _positive(config, "intermediate", required=True)
     kv_heads = _positive(config, "kv_heads") or heads
