@@ -468,6 +468,11 @@ def test_missing_and_misnamed_files(built: Path, tmp_path: Path) -> None:
     (ckpt / TAG / optim_file("zero2_fp32", 0)).rename(ckpt / TAG / optim_file("zero2_fp32", 1))
     with pytest.raises(MissingFileError, match=r"ranks \[0\] are missing"):
         tm.open(ckpt)
+    # a forged rank number in a file name costs nothing: no table of three billion ranks is built
+    (ckpt / TAG / optim_file("zero2_fp32", 1)).rename(ckpt / TAG / optim_file("zero2_fp32", 0))
+    (ckpt / TAG / optim_file("zero2_fp32", 0)).with_name(optim_file("zero2_fp32", 3_000_000_000)).write_bytes(b"")
+    with pytest.raises(MissingFileError, match=r"ranks \[1\] are missing"):
+        tm.open(ckpt)
 
 
 def test_latest_cannot_point_outside(built: Path, tmp_path: Path) -> None:

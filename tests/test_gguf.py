@@ -113,6 +113,14 @@ def test_ggml_type_table_matches_gguf() -> None:
     assert set(reader.GGML_TYPES) == set(sizes)
 
 
+def test_impossible_split_numbers_are_refused(single: Path, tmp_path: Path) -> None:
+    for name in ("m-00001-of-00000.gguf", "m-00004-of-00003.gguf"):
+        forged = tmp_path / name
+        forged.write_bytes(single.read_bytes())
+        with pytest.raises(HeaderError, match="split"):
+            tm.open(forged)
+
+
 def test_detect_and_structure(single: Path, split: Path, truth: dict[str, np.ndarray]) -> None:
     assert tm.detect(single) == tm.detect(single.parent) == tm.detect(split) == "gguf"
     with tm.open(single) as ck:

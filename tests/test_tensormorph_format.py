@@ -149,6 +149,25 @@ def test_chunk_byte_ranges_and_tiling_are_validated(copy):
         tm.open(copy)
 
 
+def test_load_refuses_a_manifest_whose_chunks_leave_a_gap(copy):
+    import torch
+
+    def drop_chunk(body):
+        tensor = next(t for t in body["tensors"].values() if len(t["chunks"]) == 6)
+        tensor["chunks"].pop()
+    _rewrite_manifest(copy, drop_chunk)
+    with pytest.raises(CheckpointError, match="missing"):
+        tm.load(copy, {"x": torch.zeros(1)}, strict=False)
+
+
+def test_negative_shard_dimension_counts_from_the_end(dcp_ckpt, tmp_path):
+    out = tmp_path / "last"
+    tm.convert(dcp_ckpt, out, to="tensormorph", mesh=2, placements=["Shard(-1)"])
+    ck = tm.open(out)
+    matrix = next(t for t in ck.values() if t.ndim == 2 and t.shape[1] >= 2)
+    assert str(matrix.placement).endswith("[Shard(1)]") and {c.offsets[0] for c in matrix.chunks} == {0}
+
+
 def test_verify_names_a_damaged_data_file_and_the_tensors_in_it(copy):
     path = copy / "rank-00003.safetensors"
     data = bytearray(path.read_bytes())
