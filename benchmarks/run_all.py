@@ -28,6 +28,8 @@ BENCHMARKS = [
     ("bench_save_load", "save_load"),
     ("bench_reshard", "reshard"),
     ("bench_redundancy", "redundancy"),
+    ("bench_train_async", "train_async"),
+    ("bench_plan", "plan"),
 ]
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 README = REPO / "README.md"
