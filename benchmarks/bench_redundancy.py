@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import shutil
 import sys
@@ -34,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from .common import (
-    GiB, MiB, drop_caches, fmt_bytes, fmt_s, init_gloo, load_averages, prefault, print_table, row, spawn_ranks,
-    summary, timed_on_ranks, work_dir, write_result,
+    GiB, MiB, drop_caches, fmt_bytes, fmt_s, init_gloo, load_averages, prefault, print_table, row, shard_state,
+    spawn_ranks, summary, timed_on_ranks, work_dir, write_result,
 )
 
 NAME = "redundancy"
@@ -141,23 +140,6 @@ def bench_encode() -> dict[str, Any]:
 
 # ---------------------------------------------------------------- 2. save (rank side)
 
-def _shard_state(mesh: Any, rank: int, world: int, tensors: dict[str, tuple[tuple[int, ...], str]]) -> dict:
-    """DTensors Shard(0) whose local shard (split as torch.chunk splits) is made on this rank only."""
-    import torch
-    from torch.distributed.tensor import DTensor, Shard
-
-    state = {}
-    for i, (name, (shape, dtype)) in enumerate(tensors.items()):
-        per_rank = -(-shape[0] // world)
-        rows = max(0, min(per_rank, shape[0] - rank * per_rank))
-        local = torch.randn((rows, *shape[1:]), generator=torch.Generator().manual_seed(1000 * i + rank),
-                            dtype=getattr(torch, dtype))
-        stride = tuple(math.prod(shape[k + 1:]) for k in range(len(shape)))
-        state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
-                                         stride=stride)
-    return state
-
-
 def _kind(name: str) -> str:
     if name.startswith("parity-"):
         return "parity"
@@ -190,7 +172,7 @@ def _worker(rank: int, world: int, port: int, work: str, cold: bool) -> None:
         root = Path(work)
         mesh = init_device_mesh("cpu", (world,))
         start = time.perf_counter()
-        state = _shard_state(mesh, rank, world, TENSORS)
+        state = shard_state(mesh, rank, world, TENSORS)
         build_s = time.perf_counter() - start
 
         # the parity / copy phase of a save, timed on each rank by wrapping the function save calls
@@ -211,7 +193,7 @@ def _worker(rank: int, world: int, port: int, work: str, cold: bool) -> None:
             report = tm.save(state, root / f"{label}-{k}", redundancy=SAVES[label])
             return {"bytes_written": report.bytes_written, "extras_s": extras_s[0] if extras_s else 0.0}
 
-        warm_state = _shard_state(mesh, rank, world, {"w": ((1024, 64), "float32")})
+        warm_state = shard_state(mesh, rank, world, {"w": ((1024, 64), "float32")})
         for label in SAVES:
             run(-1, label, warm_state)
         dist.barrier()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import shutil
 import sys
@@ -25,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from .common import (
-    GiB, drop_caches, fmt_bytes, fmt_s, init_gloo, load_averages, print_table, row, spawn_ranks, summary,
-    timed_on_ranks, work_dir, write_result,
+    GiB, drop_caches, fmt_bytes, fmt_s, init_gloo, load_averages, print_table, row, shard_state, spawn_ranks,
+    summary, timed_on_ranks, work_dir, write_result,
 )
 
 NAME = "save_load"
@@ -55,23 +54,6 @@ STEPS = ("disk_write", "tm_save", "dcp_save", "disk_read", "tm_load", "dcp_load"
 
 
 # ---------------------------------------------------------------- rank side
-
-def _shard_state(mesh: Any, rank: int, world: int, tensors: dict[str, tuple[tuple[int, ...], str]]) -> dict:
-    """DTensors Shard(0) whose local shard (split as torch.chunk splits) is made on this rank only."""
-    import torch
-    from torch.distributed.tensor import DTensor, Shard
-
-    state = {}
-    for i, (name, (shape, dtype)) in enumerate(tensors.items()):
-        per_rank = -(-shape[0] // world)
-        rows = max(0, min(per_rank, shape[0] - rank * per_rank))
-        local = torch.randn((rows, *shape[1:]), generator=torch.Generator().manual_seed(1000 * i + rank),
-                            dtype=getattr(torch, dtype))
-        stride = tuple(math.prod(shape[k + 1:]) for k in range(len(shape)))
-        state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
-                                         stride=stride)
-    return state
-
 
 def _bytes_of(tensor: Any) -> memoryview:
     import torch
@@ -126,7 +108,7 @@ def _worker(rank: int, world: int, port: int, work: str, cold: bool) -> None:
         root = Path(work)
         mesh = init_device_mesh("cpu", (world,))
         start = time.perf_counter()
-        state = _shard_state(mesh, rank, world, TENSORS)
+        state = shard_state(mesh, rank, world, TENSORS)
         shards = [t.to_local() for t in state.values()]
         truth = _crcs(shards)
         build_s = time.perf_counter() - start
@@ -149,7 +131,7 @@ def _worker(rank: int, world: int, port: int, work: str, cold: bool) -> None:
             return {}
 
         # imports and first-call setup of every step, off the clock, on a small state of the same kind
-        warm_state = _shard_state(mesh, rank, world, {"w": ((1025, 64), "float32")})
+        warm_state = shard_state(mesh, rank, world, {"w": ((1025, 64), "float32")})
         for label in ("tm_save", "dcp_save", "tm_load", "dcp_load"):
             run(-1, label, warm_state)
         dist.barrier()

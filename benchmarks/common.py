@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import datetime
 import json
+import math
 import mmap
 import os
 import platform
@@ -351,3 +352,20 @@ def timed_on_ranks(step: Callable[[], Any], *, prefault_bytes: int, cold: bool) 
 def load_averages() -> list[float]:
     """1, 5 and 15-minute load averages: how busy the shared machine was around a run."""
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def shard_state(mesh: Any, rank: int, world: int, tensors: dict[str, tuple[tuple[int, ...], str]]) -> dict:
+    """DTensors Shard(0) whose local shard (split as torch.chunk splits) is made on this rank only."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    state = {}
+    for i, (name, (shape, dtype)) in enumerate(tensors.items()):
+        per_rank = -(-shape[0] // world)
+        rows = max(0, min(per_rank, shape[0] - rank * per_rank))
+        local = torch.randn((rows, *shape[1:]), generator=torch.Generator().manual_seed(1000 * i + rank),
+                            dtype=getattr(torch, dtype))
+        stride = tuple(math.prod(shape[k + 1:]) for k in range(len(shape)))
+        state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                                         stride=stride)
+    return state
