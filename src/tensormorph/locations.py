@@ -11,6 +11,7 @@ and a marker file says which save it was part of.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import io
 import json
 import os
@@ -62,6 +63,7 @@ class LocalDestination(_Destination):
         self.final = _local_path(path).absolute()
         self.overwrite = overwrite
         self.work: Path | None = None
+        self._marker: BinaryIO | None = None  # held open (and locked) by the preparing process
 
     def describe(self) -> str:
         return str(self.final)
@@ -74,7 +76,12 @@ class LocalDestination(_Destination):
         name = f"{TEMP_PREFIX}{self.final.name}-{uuid.uuid4().hex[:12]}"
         work = self.final.parent / name
         work.mkdir()
-        _write_durably(work / SAVE_MARKER, json.dumps({"target": self.final.name, "started": time.time()}).encode())
+        # the marker stays locked until the commit: a cleaner (remove_abandoned) leaves locked saves alone
+        self._marker = open(work / SAVE_MARKER, "xb")
+        fcntl.flock(self._marker.fileno(), fcntl.LOCK_EX)
+        self._marker.write(json.dumps({"target": self.final.name, "started": time.time(), "pid": os.getpid()}).encode())
+        self._marker.flush()
+        os.fsync(self._marker.fileno())
         self.work = work
         return name
 
@@ -103,6 +110,8 @@ class LocalDestination(_Destination):
         assert self.work is not None
         _write_durably(self.work / MANIFEST, manifest)
         (self.work / SAVE_MARKER).unlink()
+        if self._marker is not None:
+            self._marker.close()
         _fsync_dir(self.work)
         if not self.final.exists():
             os.rename(self.work, self.final)
@@ -282,6 +291,37 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
 
 
 WRITEBACK_PIECE = 64 * 1024**2
+
+
+def remove_abandoned(folder: Path, *, grace_s: float = 60.0) -> list[Path]:
+    """Delete the temporary folders under `folder` that no live save owns; returns what was deleted.
+
+    A save's folder holds a marker its preparing process keeps locked until the commit, so a folder
+    whose marker can be locked belongs to a save that died. A folder without a marker is a deletion or
+    a replaced checkpoint (garbage either way), or a save in the instant before its marker exists:
+    such an empty-looking folder younger than `grace_s` is left for later.
+    """
+    removed = []
+    for child in folder.iterdir():
+        if not child.name.startswith(TEMP_PREFIX) or not child.is_dir():
+            continue
+        marker = child / SAVE_MARKER
+        try:
+            with open(marker, "rb") as handle:
+                try:
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live save
+        except FileNotFoundError:
+            garbage = (child / MANIFEST).exists() or "-deleting-" in child.name or "-replaced-" in child.name
+            try:
+                if not garbage and time.time() - child.stat().st_mtime < grace_s:
+                    continue
+            except FileNotFoundError:
+                continue
+        shutil.rmtree(child, ignore_errors=True)
+        removed.append(child)
+    return removed
 
 
 def _exchange(a: Path, b: Path) -> bool:

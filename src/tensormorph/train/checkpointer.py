@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader
 from ..distributed import load as tm_load
 from ..distributed import save as tm_save
 from ..errors import CheckpointError
+from ..locations import remove_abandoned
 from ..manifest import MANIFEST, TEMP_PREFIX, encode_value, parse
 from . import rng, workers
 from .plain import from_plain, to_plain
@@ -203,7 +204,7 @@ class Checkpointer:
     """
 
     def __init__(self, root: str | os.PathLike, *, keep: int | None = None, async_save: bool = False,
-                 redundancy: str | None = None):
+                 redundancy: str | None = None) -> None:
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be at least 1 (the newest checkpoint is never deleted), got {keep}")
         if "://" in os.fspath(root):
@@ -228,18 +229,25 @@ class Checkpointer:
         self._inflight: SaveTiming | None = None
         self._fences: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # optimizer -> hook
         self._buffers: dict[str, torch.Tensor] = {}  # staging buffers by state name, reused between saves
-        self._manifest_cache: dict[Path, tuple[tuple[int, int], CheckpointInfo | None]] = {}
+        self._manifest_cache: dict[Path, tuple[tuple[int, int, int], CheckpointInfo | None]] = {}
         self._pending: _Generators | None = None  # generator states waiting for the loader's first index
         self._signals: tuple[int, ...] = ()
         self._signalled = False
         self._stopping = False
+        self._closed = False
         self._barrier()
-        seq = 0
+        outcome: Any = ("ok", 0)
         if self._g.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self._clean_leftovers()
-            seq = max((info.seq for info in self.list()), default=0)
-        self._seq = self._broadcast(seq)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self._clean_leftovers()
+                outcome = ("ok", max((info.seq for info in self.list()), default=0))
+            except Exception as exc:  # every rank raises it, none waits for rank 0
+                outcome = ("error", f"{type(exc).__name__}: {exc}")
+        outcome = self._broadcast(outcome)
+        if outcome[0] == "error":
+            raise CheckpointError(f"cannot use the folder: {outcome[1]}", file=str(self.root))
+        self._seq = outcome[1]
 
     # ---- listing --------------------------------------------------------------------------------------
 
@@ -269,7 +277,7 @@ class Checkpointer:
             stat = manifest_path.stat()
         except (FileNotFoundError, NotADirectoryError):
             return None  # not a checkpoint (or one being deleted right now)
-        key = (stat.st_mtime_ns, stat.st_size)
+        key = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
         cached = self._manifest_cache.get(folder)
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -295,10 +303,9 @@ class Checkpointer:
         return info
 
     def _clean_leftovers(self) -> None:
-        """Remove temporary folders of saves (and deletions) that a crash interrupted."""
-        for child in self.root.iterdir():
-            if child.name.startswith(TEMP_PREFIX):
-                shutil.rmtree(child, ignore_errors=True)
+        """Remove temporary folders of saves (and deletions) that a crash interrupted; a save in progress
+        in another process (its marker still locked) is left alone."""
+        remove_abandoned(self.root)
 
     def _retain(self) -> None:
         """Delete committed checkpoints beyond the `keep` newest (rank 0, after a commit)."""
@@ -315,6 +322,22 @@ class Checkpointer:
             shutil.rmtree(doomed, ignore_errors=True)
 
     # ---- collectives ----------------------------------------------------------------------------------
+
+    def _agree(self, error: Exception | None, path: Path) -> None:
+        """Raise on every rank when any rank's background copy failed (on the save group, which only the
+        background thread uses)."""
+        if not self._g.distributed:
+            if error is not None:
+                raise error
+            return
+        outcomes: list[Any] = [None] * self._g.world
+        dist.all_gather_object(outcomes, None if error is None else str(error), group=self._g.save)
+        if error is not None:
+            raise error
+        failed = [(rank, message) for rank, message in enumerate(outcomes) if message]
+        if failed:
+            rank, message = failed[0]
+            raise CheckpointError(f"not written: rank {rank}'s copy of the state failed ({message})", file=str(path))
 
     def _barrier(self) -> None:
         if self._g.distributed:
@@ -338,10 +361,13 @@ class Checkpointer:
         is captured; an error in the background is raised by the next save or wait. With an optimizer,
         the CPU parameters and optimizer state are copied by the background thread while the next
         forward and backward run, and the optimizer's next step waits for that copy: they must not be
-        changed in place otherwise until then (a change is detected and fails the save). After a stop
+        changed in place otherwise until then (a change seen by the tensors' version counters fails the save
+        on every rank; writes through `.data` are not seen). After a stop
         request (`save_on_signal`) it waits for the commit and exits the process.
         """
         started = time.perf_counter()
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed; make a new one to save again", file=str(self.root))
         self.wait()
         state, meta = self._collect(step, model, optimizer, scheduler, scaler, dataloader, extra)
         # what a checkpoint cannot hold is refused here, naming the entry, before anything is written
@@ -359,7 +385,12 @@ class Checkpointer:
             self._thread = threading.Thread(target=self._write_in_background,
                                             args=(staged, deferred, path, meta, timing, started),
                                             name=f"tensormorph-save-{step}")
-            self._thread.start()
+            try:
+                self._thread.start()
+            except BaseException:
+                self._staged.set()  # no copy will come: the optimizer's step must not wait for one
+                self._thread = None
+                raise
         else:
             self._write(state, path, meta, timing, started)
         timing.blocked_s += time.perf_counter() - started
@@ -468,11 +499,15 @@ class Checkpointer:
         tm_save(state, path, process_group=self._g.save, overwrite=True, extra=meta, redundancy=self.redundancy)
         timing.durable_s = time.perf_counter() - started
         if self._g.rank == 0:
-            self._retain()
+            try:
+                self._retain()
+            except OSError as exc:  # the new checkpoint is committed; an old one that stays is no failure
+                warnings.warn(f"could not delete an old checkpoint under {self.root}: {exc}", stacklevel=2)
 
     def _write_in_background(self, state: dict[str, Any], deferred: list[_Copy], path: Path, meta: dict[str, Any],
                              timing: SaveTiming, started: float) -> None:
         try:
+            copy_error: Exception | None = None
             try:
                 for job in deferred:
                     job.buffer.copy_(job.source)
@@ -482,8 +517,13 @@ class Checkpointer:
                             "was changed in place after save() returned and before its background copy finished "
                             "(only the optimizer's step may change parameters then, and it waits for the copy); "
                             "the checkpoint was not written", file=str(path), tensor=job.name)
+            except Exception as exc:
+                copy_error = exc
             finally:
                 self._staged.set()
+            # every rank learns whether every copy succeeded: one failing alone must not leave the others
+            # waiting inside the save's collectives
+            self._agree(copy_error, path)
             self._write(state, path, meta, timing, started)
         except BaseException as exc:  # handed to the training thread at its next save or wait
             self._error = exc
@@ -580,12 +620,13 @@ class Checkpointer:
             self._restore(generators, None)
             return int(meta["step"])
         generators.loader = mine["generator"] if mine is not None else None
-        completed = all(d["state"]["complete"] for d in data)
-        # A DataLoader draws from a generator when it makes an iterator. At the end of an epoch the
-        # uninterrupted run made one at this point too (unless its workers persist, keeping theirs), so the
-        # generators are restored now and the draws match. Mid-epoch it made none: the restore waits for
-        # the resumed loader's first index, which comes after that loader's draw.
-        if completed and not (loader.persistent_workers and loader.num_workers > 0):
+        in_pass = any(d["state"].get("in_pass", not d["state"]["complete"]) for d in data)
+        # A DataLoader draws from a generator when it makes an iterator. When no pass was in progress at the
+        # save (an epoch had ended, or none had begun) the uninterrupted run makes one at this point too
+        # (unless its workers persist, keeping theirs), so the generators are restored now and the draws
+        # match. Mid-pass it made none: the restore waits for the resumed loader's first index, which comes
+        # after that loader's draw.
+        if not in_pass and not (loader.persistent_workers and loader.num_workers > 0):
             self._restore(generators, loader)
         else:
             self._pending = generators
@@ -596,8 +637,11 @@ class Checkpointer:
         """The checkpoint to resume, chosen by rank 0 for all: the newest, or the newest of `step`."""
         chosen: Any = None
         if self._g.rank == 0:
-            infos = self.list()
-            if step is not None:
+            try:
+                infos = self.list()
+            except Exception as exc:  # every rank raises it, none waits for rank 0
+                infos, chosen = [], ("error", f"cannot list the checkpoints: {type(exc).__name__}: {exc}")
+            if step is not None and chosen is None:
                 infos = [i for i in infos if i.step == step]
                 if not infos:
                     chosen = ("error", f"has no committed checkpoint of step {step}")
@@ -652,7 +696,7 @@ class Checkpointer:
         if self._g.distributed:
             for group in (self._g.save, self._g.control):
                 dist.destroy_process_group(group)
-            self._g.distributed = False
+        self._closed = True
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -170,7 +170,8 @@ class ResumableSampler(Sampler[int]):
             taken, complete = self._pass.consumed()
             consumed += taken
         return {"epoch": self.epoch, "start": self._start, "world": self.num_replicas, "rank": self.rank,
-                "consumed": consumed, "complete": complete, "length": self.length, "seed": self.seed,
+                "consumed": consumed, "complete": complete, "in_pass": self._pass is not None and not complete,
+                "length": self.length, "seed": self.seed,
                 "shuffle": self.shuffle, "drop_last": self.drop_last}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
