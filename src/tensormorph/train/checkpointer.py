@@ -105,6 +105,30 @@ def _find_mesh(state: Any) -> dict[str, Any] | None:
     return None
 
 
+def _component_states(model: Any, optimizers: tuple[Any, ...], scheduler: Any, scaler: Any) -> dict[str, Any]:
+    """The state dicts of the training components given (model and optimizer FSDP2/DTensor aware)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizers and model is None:
+        raise ValueError("optimizer state is keyed by the model's parameter names: pass model= as well")
+    states: dict[str, Any] = {}
+    if model is not None:
+        if optimizers:
+            states["model"], states["optimizer"] = get_state_dict(model, optimizers)
+        else:
+            states["model"] = get_model_state_dict(model)
+    if scheduler is not None:
+        states["scheduler"] = scheduler.state_dict()
+    if scaler is not None:
+        states["scaler"] = scaler.state_dict()
+    return states
+
+
+def _has_state(obj: Any) -> bool:
+    """Duck typing of a loader that keeps its own position (torchdata's StatefulDataLoader)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
 def _loader_parts(dataloader: Any) -> tuple[str, ResumableSampler | None, Any]:
     """(kind, sampler, loader) for what was passed as `dataloader=`; kind is 'sampler' or 'stateful'."""
     if isinstance(dataloader, ResumableSampler):
@@ -112,8 +136,7 @@ def _loader_parts(dataloader: Any) -> tuple[str, ResumableSampler | None, Any]:
     if isinstance(dataloader, DataLoader):
         candidates = [dataloader.sampler, getattr(dataloader.batch_sampler, "sampler", None)]
         sampler = next((s for s in candidates if isinstance(s, ResumableSampler)), None)
-        stateful = callable(getattr(dataloader, "state_dict", None)) and callable(
-            getattr(dataloader, "load_state_dict", None))
+        stateful = _has_state(dataloader)
         if stateful and sampler is not None:
             raise TypeError(f"{type(dataloader).__name__} keeps its own position; give it its own sampler, or use "
                             "a ResumableSampler with a plain torch DataLoader")
@@ -124,7 +147,7 @@ def _loader_parts(dataloader: Any) -> tuple[str, ResumableSampler | None, Any]:
                             "how far training got; use tensormorph.train.ResumableSampler (a drop-in for "
                             "DistributedSampler) or torchdata's StatefulDataLoader")
         return "sampler", sampler, dataloader
-    if callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None)):
+    if _has_state(dataloader):
         return "stateful", None, dataloader
     raise TypeError(f"dataloader= takes a DataLoader with a ResumableSampler, a ResumableSampler, or an object with "
                     f"state_dict/load_state_dict (torchdata's StatefulDataLoader); got {type(dataloader).__name__}")
@@ -411,21 +434,8 @@ class Checkpointer:
 
     def _collect(self, step: int, model: Any, optimizer: Any, scheduler: Any, scaler: Any, dataloader: Any,
                  extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-        state: dict[str, Any] = {"step": step}
-        optimizers = _optimizers(optimizer)
-        if optimizers and model is None:
-            raise ValueError("optimizer state is keyed by the model's parameter names: pass model= as well")
-        if model is not None:
-            if optimizers:
-                state["model"], state["optimizer"] = get_state_dict(model, optimizers)
-            else:
-                state["model"] = get_model_state_dict(model)
-        if scheduler is not None:
-            state["scheduler"] = scheduler.state_dict()
-        if scaler is not None:
-            state["scaler"] = scaler.state_dict()
+        state: dict[str, Any] = {"step": step, **_component_states(model, _optimizers(optimizer), scheduler, scaler)}
         if extra is not None:
             state["extra"] = extra
         rank = self._g.rank
@@ -541,8 +551,7 @@ class Checkpointer:
         and optimizer are resharded, a ResumableSampler continues at the same global sample, and per-rank
         random streams are re-seeded from the run's seed, the step and the rank.
         """
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, \
-            set_model_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         self.wait()
         if dataloader is not None:
@@ -554,19 +563,7 @@ class Checkpointer:
         manifest = parse((path / MANIFEST).read_bytes(), str(path / MANIFEST))
         meta = manifest.extra[TRAIN_KEY]
         optimizers = _optimizers(optimizer)
-        if optimizers and model is None:
-            raise ValueError("optimizer state is keyed by the model's parameter names: pass model= as well")
-
-        target: dict[str, Any] = {"step": None}
-        if model is not None:
-            if optimizers:
-                target["model"], target["optimizer"] = get_state_dict(model, optimizers)
-            else:
-                target["model"] = get_model_state_dict(model)
-        if scheduler is not None:
-            target["scheduler"] = scheduler.state_dict()
-        if scaler is not None:
-            target["scaler"] = scaler.state_dict()
+        target: dict[str, Any] = {"step": None, **_component_states(model, optimizers, scheduler, scaler)}
         if "extra" in manifest.objects:
             target["extra"] = None
         # every rank's generators and data position are plain values in the manifest: all are read (no
