@@ -180,7 +180,9 @@ def test_random_regions_bit_exact(data: st.DataObject, split: Path, split_truth)
         assert_bit_exact(ck[name][index], reference[index], DTYPES[name])
 
 
-def test_quantized_reads_dequantize_only_the_blocks_needed(single: Path, truth, monkeypatch) -> None:
+@pytest.fixture
+def dequantized(monkeypatch) -> list[tuple[int, ...]]:
+    """The shapes of the block arrays the reader hands to gguf's dequantizer, call by call."""
     seen: list[tuple[int, ...]] = []
     dequantize = gguf.quants.dequantize
 
@@ -189,6 +191,11 @@ def test_quantized_reads_dequantize_only_the_blocks_needed(single: Path, truth, 
         return dequantize(rows, qtype)
 
     monkeypatch.setattr(reader, "_dequantizer", lambda: counting)
+    return seen
+
+
+def test_quantized_reads_dequantize_only_the_blocks_needed(single: Path, truth, dequantized) -> None:
+    seen = dequantized
     with tm.open(single) as ck:
         embed = ck["token_embd.weight"]  # Q4_K, 12 rows of 2 blocks of 256 values (144 bytes each)
         assert_bit_exact(embed[3, 300:301], truth["token_embd.weight"][3, 300:301], "F32")
@@ -202,17 +209,10 @@ def test_quantized_reads_dequantize_only_the_blocks_needed(single: Path, truth, 
         assert seen == [(1, 68)]  # blocks 0 and 2, not the one between
 
 
-def test_statistics_of_a_quantized_tensor_stream_in_bands(single: Path, truth, monkeypatch) -> None:
+def test_statistics_of_a_quantized_tensor_stream_in_bands(single: Path, truth, dequantized) -> None:
     from tensormorph.ops.stats import tensor_stats
 
-    seen: list[tuple[int, ...]] = []
-    dequantize = gguf.quants.dequantize
-
-    def counting(rows: np.ndarray, qtype: Any) -> np.ndarray:
-        seen.append(rows.shape)
-        return dequantize(rows, qtype)
-
-    monkeypatch.setattr(reader, "_dequantizer", lambda: counting)
+    seen = dequantized
     with tm.open(single) as ck:
         embed = ck["token_embd.weight"]  # Q4_K, 12 rows of 512 values
         stats = tensor_stats(embed, block_bytes=2 * 512 * 8)  # bands of two rows
