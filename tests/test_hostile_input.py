@@ -887,6 +887,13 @@ def test_pickle_memo_index_cannot_demand_gigabytes() -> None:
     assert grown_kib < 64 * 1024, f"unpickling 12 bytes grew the peak RSS by {grown_kib // 1024} MiB"
 
 
+def test_pickle_bytearray_length_cannot_demand_gigabytes() -> None:
+    # protocol 5's BYTEARRAY8 announces its length; pickle itself allocates that much before reading
+    forged = b"\x80\x05\x96" + (1 << 40).to_bytes(8, "little") + b"abc."
+    with pytest.raises(HeaderError, match="BYTEARRAY8 claims 1099511627776 bytes, but only 4 remain"):
+        safe_pickle.loads(forged)
+
+
 # ---------------------------------------------------------------------------
 # DCP
 # ---------------------------------------------------------------------------

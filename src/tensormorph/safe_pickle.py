@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -104,7 +105,18 @@ class _AllowlistUnpickler(pickle._Unpickler):
     def _skip_frame(self) -> None:
         self.read(8)  # a frame only announces its length: the whole stream is already in memory
 
-    dispatch = {**pickle._Unpickler.dispatch, pickle.FRAME[0]: _skip_frame}
+    def _load_bytearray8(self) -> None:
+        # pickle's own handler allocates the announced length before reading: a forged 8-byte length
+        # would make it zero gigabytes. Nothing longer than what is left in the stream can be real.
+        (length,) = struct.unpack("<Q", self.read(8))
+        left = len(self._stream.getbuffer()) - self._stream.tell()
+        if length > left:
+            raise HeaderError(f"a BYTEARRAY8 claims {length} bytes, but only {left} remain in the pickle",
+                              file=self._file)
+        self.append(bytearray(self.read(length)))
+
+    dispatch = {**pickle._Unpickler.dispatch, pickle.FRAME[0]: _skip_frame,
+                pickle.BYTEARRAY8[0]: _load_bytearray8}
 
     def load(self) -> Any:
         # pickle's own loop reads through _Unframer, a Python call per read; reading the in-memory
