@@ -257,9 +257,8 @@ def _read_file(path: Path, into: np.ndarray) -> int:
 
 def _rebuild_to(root: Path, lost: str, out: Path) -> tuple[int, int]:
     """The rebuild alone: recover() the lost file from its stripe into `out`, fsynced; (size, crc32c)."""
-    import crc32c
-
     from tensormorph.formats import tensormorph as tm_format
+    from tensormorph.ops.repair import write_checked
     from tensormorph.storage import LocalFiles
 
     files = LocalFiles(root)
@@ -267,17 +266,9 @@ def _rebuild_to(root: Path, lost: str, out: Path) -> tuple[int, int]:
         manifest = tm_format.read_manifest(files, str(root))
         intact = set(tm_format.all_files(manifest)) - {lost}
         chunks = tm_format.recover(manifest, lost, intact, lambda n, b, e: files.read(n, b, e - b))
-        value, size = 0, 0
-        with open(out, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-                value = crc32c.crc32c(chunk, value)
-                size += len(chunk)
-            f.flush()
-            os.fsync(f.fileno())
+        return write_checked(Path(out), chunks)
     finally:
         files.close()
-    return size, value
 
 
 def bench_rebuild(root: Path, cold: bool) -> dict[str, Any]:

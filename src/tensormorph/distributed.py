@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from .errors import CheckpointError, StateMismatchError, UncommittedCheckpointEr
 from .formats import open_checkpoint
 from .formats import tensormorph as tm_format
 from .layout import Box
-from .locations import RemoteFiles, destination, is_url
+from .locations import RemoteFiles, destination, is_url, store
 from .manifest import MANIFEST, MAX_MANIFEST_BYTES, decode_value, encode_value, parse, rank_file
 from .redundancy import parse_scheme, write_extras
 from .saving import Piece, build_manifest, plan_writers, redundancy_record, write_rank_file
@@ -173,6 +174,15 @@ def _broadcast(value: Any, group: Any) -> Any:
     return box[0]
 
 
+def _shared(outcome: tuple[str, Any], distributed: bool, group: Any, failure: str, path: str | os.PathLike) -> Any:
+    """Rank 0's ("ok", value) or ("error", message), made every rank's; every rank raises on an error."""
+    if distributed:
+        outcome = _broadcast(outcome, group)
+    if outcome[0] == "error":
+        raise CheckpointError(f"{failure}: {outcome[1]}", file=os.fspath(path))
+    return outcome
+
+
 def save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
          storage_options: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
          redundancy: str | None = None) -> SaveReport:
@@ -208,10 +218,7 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
             outcome = ("ok", target.prepare())
         except Exception as exc:
             outcome = ("error", f"{type(exc).__name__}: {exc}")
-    if distributed:
-        outcome = _broadcast(outcome, process_group)
-    if outcome[0] == "error":
-        raise CheckpointError(f"save failed before writing: {outcome[1]}", file=os.fspath(path))
+    outcome = _shared(outcome, distributed, process_group, "save failed before writing", path)
     if rank != 0:
         writers = plan_writers(everyone)  # the same inputs as rank 0's, which succeeded
     mine = [p for p in pieces if writers.get(p.key) == rank]
@@ -238,7 +245,7 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
         data_files = [(rank_file(r), results[r][2].size) for r in range(world)]
         try:
             extras = [("ok", write_extras(scheme, data_files, rank, world, target.read_range,
-                                          target.store))]
+                                          partial(store, target)))]
         except Exception as exc:  # as above: the commit is refused
             extras = [("error", f"rank {rank} writing redundancy: {type(exc).__name__}: {exc}")]
         extras = _all_gather(extras[0], process_group, world) if distributed else extras
@@ -260,10 +267,7 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *, process_group: 
                 target.commit(manifest.to_bytes())
             except Exception as exc:
                 status = ("error", f"{type(exc).__name__}: {exc}")
-    if distributed:
-        status = _broadcast(status, process_group)
-    if status[0] == "error":
-        raise CheckpointError(f"save did not commit: {status[1]}", file=os.fspath(path))
+    _shared(status, distributed, process_group, "save did not commit", path)
     return SaveReport(target.describe(), rank, world, result[2].size, time.perf_counter() - started)
 
 

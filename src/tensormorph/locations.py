@@ -36,27 +36,17 @@ def _local_path(path: str | os.PathLike) -> Path:
     return Path(text[len("file://"):] if text.startswith("file://") else text)
 
 
-class _Destination:
-    """What both kinds of destination share: writing a whole file from a stream."""
-
-    def open(self, name: str) -> BinaryIO:
-        raise NotImplementedError
-
-    @staticmethod
-    def finish_file(f: BinaryIO) -> None:
-        raise NotImplementedError
-
-    def store(self, name: str, chunks: Iterable[bytes]) -> None:
-        """Write one file of this save from a stream of byte strings, durably."""
-        f = self.open(name)
-        try:
-            for chunk in chunks:
-                f.write(chunk)
-        finally:
-            self.finish_file(f)
+def store(target: LocalDestination | FsspecDestination, name: str, chunks: Iterable[bytes]) -> None:
+    """Write one file of a save from a stream of byte strings, durably."""
+    f = target.open(name)
+    try:
+        for chunk in chunks:
+            f.write(chunk)
+    finally:
+        target.finish_file(f)
 
 
-class LocalDestination(_Destination):
+class LocalDestination:
     """A folder on a local file system, committed by an atomic rename."""
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = False):
@@ -128,7 +118,7 @@ class LocalDestination(_Destination):
         threading.Thread(target=shutil.rmtree, args=(replaced,), kwargs={"ignore_errors": True}).start()
 
 
-class FsspecDestination(_Destination):
+class FsspecDestination:
     """A prefix in an fsspec file system (s3://, gs://, memory://...); the manifest PUT is the commit."""
 
     def __init__(self, url: str, *, overwrite: bool = False, storage_options: dict[str, Any] | None = None):

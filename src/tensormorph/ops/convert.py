@@ -14,6 +14,7 @@ source.
 from __future__ import annotations
 
 import itertools
+from functools import partial
 import json
 import os
 import re
@@ -206,7 +207,7 @@ def _to_tensormorph(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
                     blocks: Callable[..., Iterator[np.ndarray]], mesh: tuple[int, ...],
                     placements: tuple[str, ...], redundancy: str | None) -> ConvertResult:
     from ..layout import local_box, parse_placement
-    from ..locations import LocalDestination
+    from ..locations import LocalDestination, store
     from ..manifest import rank_file
     from ..safe_pickle import is_plain
     from ..redundancy import parse_scheme, write_extras
@@ -257,7 +258,8 @@ def _to_tensormorph(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
                                   {"converted_from": {"path": str(ck.path), "format": ck.format}})
         if scheme is not None:
             data_files = [(rank_file(r), written[r][1].size) for r in range(len(coordinates))]
-            extras = [("ok", write_extras(scheme, data_files, r, len(coordinates), target.read_range, target.store))
+            extras = [("ok", write_extras(scheme, data_files, r, len(coordinates), target.read_range,
+                                             partial(store, target)))
                       for r in range(len(coordinates))]
             manifest = replace(manifest, redundancy=redundancy_record(scheme, manifest.files, extras))
         target.commit(manifest.to_bytes())

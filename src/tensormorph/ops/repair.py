@@ -10,6 +10,7 @@ the tensors they hold.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,17 +66,23 @@ def repair(path: str | Path) -> RepairReport:
     return report
 
 
-def _rewrite(files: LocalFiles, name: str, record: Any, chunks: Any) -> None:
-    final = files.resolve(name)
-    part = final.with_name(final.name + ".repair")
+def write_checked(path: Path, chunks: Iterable[bytes]) -> tuple[int, int]:
+    """Write a stream of byte strings to `path` durably; returns (size, CRC-32C) of what was written."""
     value, size = 0, 0
-    with open(part, "wb") as f:
+    with open(path, "wb") as f:
         for chunk in chunks:
             f.write(chunk)
             value = crc32c.crc32c(chunk, value)
             size += len(chunk)
         f.flush()
         os.fsync(f.fileno())
+    return size, value
+
+
+def _rewrite(files: LocalFiles, name: str, record: Any, chunks: Iterable[bytes]) -> None:
+    final = files.resolve(name)
+    part = final.with_name(final.name + ".repair")
+    size, value = write_checked(part, chunks)
     if (size, value) != (record.size, record.crc32c):
         part.unlink()
         raise CheckpointError(f"rebuilt {size} bytes with CRC-32C {value:08x}, the manifest records {record.size} "
