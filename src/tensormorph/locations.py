@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from typing import Any, BinaryIO
 
 from .errors import CheckpointError, HeaderError, MissingFileError, TruncatedFileError, UnsafePathError
-from .manifest import MANIFEST, SAVE_MARKER, TEMP_PREFIX
+from .manifest import INIT_PREFIX, MANIFEST, SAVE_MARKER, TEMP_PREFIX
 
 
 def is_url(path: str | os.PathLike) -> bool:
@@ -65,13 +65,18 @@ class LocalDestination:
         self.final.parent.mkdir(parents=True, exist_ok=True)
         name = f"{TEMP_PREFIX}{self.final.name}-{uuid.uuid4().hex[:12]}"
         work = self.final.parent / name
-        work.mkdir()
-        # the marker stays locked until the commit: a cleaner (remove_abandoned) leaves locked saves alone
-        self._marker = open(work / SAVE_MARKER, "xb")
+        # the marker stays locked until the commit: a cleaner (remove_abandoned) leaves locked saves alone.
+        # The folder gets its temporary name only once the marker is in it, so a folder under that name
+        # without a marker is never a live save.
+        init = self.final.parent / f"{INIT_PREFIX}{uuid.uuid4().hex[:12]}"
+        init.mkdir()
+        self._marker = open(init / SAVE_MARKER, "xb")
         fcntl.flock(self._marker.fileno(), fcntl.LOCK_EX)
+        _HELD_MARKERS.add(self._marker.fileno())
         self._marker.write(json.dumps({"target": self.final.name, "started": time.time(), "pid": os.getpid()}).encode())
         self._marker.flush()
         os.fsync(self._marker.fileno())
+        os.rename(init, work)
         self.work = work
         return name
 
@@ -101,16 +106,18 @@ class LocalDestination:
         _write_durably(self.work / MANIFEST, manifest)
         (self.work / SAVE_MARKER).unlink()
         if self._marker is not None:
+            _HELD_MARKERS.discard(self._marker.fileno())
             self._marker.close()
         _fsync_dir(self.work)
         if not self.final.exists():
             os.rename(self.work, self.final)
             _fsync_dir(self.final.parent)
             return
+        replaced = self.final.parent / f"{TEMP_PREFIX}replaced-{self.final.name}-{uuid.uuid4().hex[:12]}"
         if _exchange(self.work, self.final):  # one atomic step: the old checkpoint now sits at the work name
-            replaced = self.work
+            # renamed again so that a cleaner knows it for garbage even once its manifest is deleted
+            os.rename(self.work, replaced)
         else:  # no renameat2 here: a short window where neither name holds a checkpoint
-            replaced = self.final.parent / f"{TEMP_PREFIX}replaced-{self.final.name}-{uuid.uuid4().hex[:12]}"
             os.rename(self.final, replaced)
             os.rename(self.work, self.final)
         _fsync_dir(self.final.parent)
@@ -283,29 +290,45 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
 WRITEBACK_PIECE = 64 * 1024**2
 
 
+# A flock belongs to the open file, which a forked child (a DataLoader worker started while a save is in
+# flight) shares: the lock would outlive a killed saver for as long as its children run. Children close
+# their copies, so only the saving process holds the lock.
+_HELD_MARKERS: set[int] = set()
+
+
+def _close_inherited_markers() -> None:
+    for fd in _HELD_MARKERS:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD_MARKERS.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_markers)
+
+
 def remove_abandoned(folder: Path, *, grace_s: float = 60.0) -> list[Path]:
     """Delete the temporary folders under `folder` that no live save owns; returns what was deleted.
 
     A save's folder holds a marker its preparing process keeps locked until the commit, so a folder
-    whose marker can be locked belongs to a save that died. A folder without a marker is a deletion or
-    a replaced checkpoint (garbage either way), or a save in the instant before its marker exists:
-    such an empty-looking folder younger than `grace_s` is left for later.
+    whose marker can be locked belongs to a save that died. A temporary folder without a marker is a
+    deletion, a replaced checkpoint or a committed save on its way to its name: garbage. A folder still
+    being set up (INIT_PREFIX) without its marker yet is left alone until it is `grace_s` old.
     """
     removed = []
     for child in folder.iterdir():
-        if not child.name.startswith(TEMP_PREFIX) or not child.is_dir():
+        if not child.name.startswith((TEMP_PREFIX, INIT_PREFIX)) or not child.is_dir():
             continue
-        marker = child / SAVE_MARKER
         try:
-            with open(marker, "rb") as handle:
+            with open(child / SAVE_MARKER, "rb") as handle:
                 try:
                     fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     continue  # a live save
         except FileNotFoundError:
-            garbage = (child / MANIFEST).exists() or "-deleting-" in child.name or "-replaced-" in child.name
             try:
-                if not garbage and time.time() - child.stat().st_mtime < grace_s:
+                if child.name.startswith(INIT_PREFIX) and time.time() - child.stat().st_mtime < grace_s:
                     continue
             except FileNotFoundError:
                 continue

@@ -26,6 +26,7 @@ VERSION = 1
 MANIFEST = "manifest.json"
 SAVE_MARKER = ".tensormorph-save"  # inside a temporary folder: names the save it belongs to
 TEMP_PREFIX = ".tmp-tensormorph-"
+INIT_PREFIX = ".init-tensormorph-"  # a save's folder while its marker is created, before it takes TEMP_PREFIX
 CHECKSUM_BLOCK = 64 * 1024  # checksums cover 64 KiB blocks of each chunk: a partial read is verified by
 # reading at most the rest of the blocks it touches
 CHECKSUM = "crc32c"
