@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean browser
+.PHONY: demo test bench clean browser lint
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,13 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "WARNING: could not install Debian's chromium; the browser tests will be skipped"
 
-test: $(STAMP) browser
+# Lint, types and the layer contracts first: they take seconds and fail fast.
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+test: $(STAMP) browser lint
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

@@ -24,8 +24,24 @@ from typing import Any
 
 from .bench_full_read import DCP_TENSORS, _dcp_worker
 from .common import (
-    GiB, cpu_seconds, drop_caches, emit, files_under, fmt_bytes, fmt_s, io_read_bytes, prefault,
-    print_table, proc_status, require_drop_caches, reset_peak_rss, row, run_child, spawn_ranks, summary, work_dir,
+    GiB,
+    cpu_seconds,
+    drop_caches,
+    emit,
+    files_under,
+    fmt_bytes,
+    fmt_s,
+    io_read_bytes,
+    prefault,
+    print_table,
+    proc_status,
+    require_drop_caches,
+    reset_peak_rss,
+    row,
+    run_child,
+    spawn_ranks,
+    summary,
+    work_dir,
     write_result,
 )
 

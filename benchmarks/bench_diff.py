@@ -31,9 +31,28 @@ from pathlib import Path
 from typing import Any
 
 from .common import (
-    GiB, cpu_seconds, drop_caches, emit, files_under, fmt_bytes, fmt_s, init_gloo, io_read_bytes, prefault,
-    print_table, proc_status, require_drop_caches, reset_peak_rss, resident_bytes, row, run_child, spawn_ranks,
-    summary, warm_page_cache, work_dir, write_result,
+    GiB,
+    cpu_seconds,
+    drop_caches,
+    emit,
+    files_under,
+    fmt_bytes,
+    fmt_s,
+    init_gloo,
+    io_read_bytes,
+    prefault,
+    print_table,
+    proc_status,
+    require_drop_caches,
+    reset_peak_rss,
+    resident_bytes,
+    row,
+    run_child,
+    spawn_ranks,
+    summary,
+    warm_page_cache,
+    work_dir,
+    write_result,
 )
 
 NAME = "diff"

@@ -25,8 +25,26 @@ from typing import Any
 import numpy as np
 
 from .common import (
-    GiB, MiB, PAGE, drop_caches, emit, fmt_bytes, fmt_s, init_gloo, io_read_bytes, prefault, print_table,
-    proc_status, require_drop_caches, reset_peak_rss, row, run_child, spawn_ranks, summary, work_dir, write_result,
+    PAGE,
+    GiB,
+    MiB,
+    drop_caches,
+    emit,
+    fmt_bytes,
+    fmt_s,
+    init_gloo,
+    io_read_bytes,
+    prefault,
+    print_table,
+    proc_status,
+    require_drop_caches,
+    reset_peak_rss,
+    row,
+    run_child,
+    spawn_ranks,
+    summary,
+    work_dir,
+    write_result,
 )
 
 NAME = "full_read"

@@ -22,8 +22,19 @@ from typing import Any
 import numpy as np
 
 from .common import (
-    GiB, fmt_bytes, fmt_s, init_gloo, prefault, print_table, require_drop_caches, drop_caches, row, spawn_ranks,
-    summary, work_dir, write_result,
+    GiB,
+    drop_caches,
+    fmt_bytes,
+    fmt_s,
+    init_gloo,
+    prefault,
+    print_table,
+    require_drop_caches,
+    row,
+    spawn_ranks,
+    summary,
+    work_dir,
+    write_result,
 )
 
 NAME = "open_metadata"
@@ -115,7 +126,7 @@ def open_safe_open(path: Path) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for shard in dict.fromkeys(index["weight_map"].values()):
         with safe_open(str(path / shard), framework="numpy") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118  safe_open objects are not iterable
                 shapes[key] = tuple(f.get_slice(key).get_shape())
     return shapes
 

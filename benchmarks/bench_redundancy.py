@@ -10,7 +10,7 @@
             each repetition); bytes on disk split into data, parity and copies. The time each rank
             spends in write_extras (the parity / copy phase) is recorded by wrapping it.
 3. rebuild  on the last rs(4,2) checkpoint, with rank 1's data file deleted: repair() (scan, rebuild,
-            verify), the rebuild alone (formats.tensormorph.recover into a file, fsync), verify() of
+            verify), the rebuild alone (tmformat.recovery.recover into a file, fsync), verify() of
             the intact checkpoint, all against one cold preadv of that same file; and tm.load of the
             whole state in one process with the file lost (rebuilt in memory) vs nothing lost.
             Every load is checked against CRC-32C of the intact load's tensors.
@@ -33,8 +33,22 @@ from typing import Any
 import numpy as np
 
 from .common import (
-    GiB, MiB, drop_caches, fmt_bytes, fmt_s, init_gloo, load_averages, prefault, print_table, row, shard_state,
-    spawn_ranks, summary, timed_on_ranks, work_dir, write_result,
+    GiB,
+    MiB,
+    drop_caches,
+    fmt_bytes,
+    fmt_s,
+    init_gloo,
+    load_averages,
+    prefault,
+    print_table,
+    row,
+    shard_state,
+    spawn_ranks,
+    summary,
+    timed_on_ranks,
+    work_dir,
+    write_result,
 )
 
 NAME = "redundancy"
@@ -257,15 +271,17 @@ def _read_file(path: Path, into: np.ndarray) -> int:
 
 def _rebuild_to(root: Path, lost: str, out: Path) -> tuple[int, int]:
     """The rebuild alone: recover() the lost file from its stripe into `out`, fsynced; (size, crc32c)."""
-    from tensormorph.formats import tensormorph as tm_format
     from tensormorph.ops.repair import write_checked
     from tensormorph.storage import LocalFiles
+    from tensormorph.tmformat.checkpoint import read_manifest
+    from tensormorph.tmformat.recovery import all_files, recover
 
     files = LocalFiles(root)
     try:
-        manifest = tm_format.read_manifest(files, str(root))
-        intact = set(tm_format.all_files(manifest)) - {lost}
-        chunks = tm_format.recover(manifest, lost, intact, lambda n, b, e: files.read(n, b, e - b))
+        manifest = read_manifest(files, str(root))
+        intact = set(all_files(manifest)) - {lost}
+        chunks = recover(manifest, lost, intact, lambda n, b, e: files.read(n, b, e - b))
+        Path(out).unlink(missing_ok=True)  # write_checked creates a new file, never one already there
         return write_checked(Path(out), chunks)
     finally:
         files.close()
@@ -276,14 +292,16 @@ def bench_rebuild(root: Path, cold: bool) -> dict[str, Any]:
     import torch
 
     import tensormorph as tm
-    from tensormorph.formats import tensormorph as tm_format
     from tensormorph.ops.repair import repair
     from tensormorph.storage import LocalFiles
+    from tensormorph.tmformat.checkpoint import read_manifest
+    from tensormorph.tmformat.integrity import file_crc32c
+    from tensormorph.tmformat.recovery import all_files
 
     lost = f"rank-{LOST_RANK:05d}.safetensors"
     path = root / lost
     files = LocalFiles(root)
-    record = tm_format.all_files(tm_format.read_manifest(files, str(root)))[lost]
+    record = all_files(read_manifest(files, str(root)))[lost]
     files.close()
     side = root.parent / "rebuilt.bin"
 
@@ -340,7 +358,7 @@ def bench_rebuild(root: Path, cold: bool) -> dict[str, Any]:
         seconds, report = _timed(lambda: repair(root), cold=cold)
         assert report.ok and report.repaired == [lost], report.to_dict()
         check = LocalFiles(root)
-        assert tm_format.file_crc32c(check, lost) == record.crc32c, "repair() wrote other bytes"
+        assert file_crc32c(check, lost) == record.crc32c, "repair() wrote other bytes"
         check.close()
         times["repair"].append(seconds)
         notes.setdefault("repair_after_bytes_read", report.after.bytes_read if report.after else None)

@@ -21,8 +21,22 @@ from typing import Any
 import numpy as np
 
 from .common import (
-    GiB, PAGE, drop_caches, fmt_bytes, fmt_s, init_gloo, io_read_bytes, prefault, print_table,
-    require_drop_caches, resident_bytes, row, spawn_ranks, summary, work_dir, write_result,
+    PAGE,
+    GiB,
+    drop_caches,
+    fmt_bytes,
+    fmt_s,
+    init_gloo,
+    io_read_bytes,
+    prefault,
+    print_table,
+    require_drop_caches,
+    resident_bytes,
+    row,
+    spawn_ranks,
+    summary,
+    work_dir,
+    write_result,
 )
 
 NAME = "region_read"

@@ -23,8 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from .common import (
-    GiB, drop_caches, fmt_bytes, fmt_s, init_gloo, io_rchar, load_averages, print_table, row, spawn_ranks, summary,
-    timed_on_ranks, work_dir, write_result,
+    GiB,
+    drop_caches,
+    fmt_bytes,
+    fmt_s,
+    init_gloo,
+    io_rchar,
+    load_averages,
+    print_table,
+    row,
+    spawn_ranks,
+    summary,
+    timed_on_ranks,
+    work_dir,
+    write_result,
 )
 
 NAME = "reshard"

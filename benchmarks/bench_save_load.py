@@ -24,8 +24,20 @@ from pathlib import Path
 from typing import Any
 
 from .common import (
-    GiB, drop_caches, fmt_bytes, fmt_s, init_gloo, load_averages, print_table, row, shard_state, spawn_ranks,
-    summary, timed_on_ranks, work_dir, write_result,
+    GiB,
+    drop_caches,
+    fmt_bytes,
+    fmt_s,
+    init_gloo,
+    load_averages,
+    print_table,
+    row,
+    shard_state,
+    spawn_ranks,
+    summary,
+    timed_on_ranks,
+    work_dir,
+    write_result,
 )
 
 NAME = "save_load"

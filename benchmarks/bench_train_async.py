@@ -27,7 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from .common import (
-    GiB, fmt_bytes, fmt_s, init_gloo, load_averages, prefault, print_table, row, spawn_ranks, summary, work_dir,
+    GiB,
+    fmt_bytes,
+    fmt_s,
+    init_gloo,
+    load_averages,
+    prefault,
+    print_table,
+    row,
+    spawn_ranks,
+    summary,
+    work_dir,
     write_result,
 )
 

@@ -1,7 +1,7 @@
 """The viewer: first tile of a large tensor, exact tile at full zoom-out, Architecture view of 20,000 tensors.
 
 1. First approximate tile, cold. A 32768x32768 fp32 tensor (4 GiB) and a 3200x3200 one (40 MiB), each a
-   single safetensors file written block by block (tensormorph.safetensors_writer, never 4 GiB in RAM;
+   single safetensors file written block by block (tensormorph.tmformat.stream, never 4 GiB in RAM;
    value = hash of the element index, exact in fp32). After drop_caches we time
    `tile(View.of(t), 0, H, 0, W, 512, 512, exact=False)` through the library, and the same tile through
    the HTTP API (GET /api/checkpoints/{id}/tile on a real uvicorn on 127.0.0.1, httpx keep-alive client).
@@ -30,8 +30,19 @@ from typing import Any
 import numpy as np
 
 from .common import (
-    GiB, MiB, drop_caches, fmt_bytes, fmt_s, io_read_bytes, prefault, print_table, require_drop_caches, row,
-    summary, work_dir, write_result,
+    GiB,
+    MiB,
+    drop_caches,
+    fmt_bytes,
+    fmt_s,
+    io_read_bytes,
+    prefault,
+    print_table,
+    require_drop_caches,
+    row,
+    summary,
+    work_dir,
+    write_result,
 )
 
 NAME = "viewer"
@@ -71,7 +82,7 @@ def expected(n: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
 
 
 def build_tensor(path: Path, n: int) -> int:
-    from tensormorph.safetensors_writer import TensorSpec, write_file
+    from tensormorph.tmformat.stream import TensorSpec, write_file
 
     cols = np.arange(n)
     step = max(1, (32 * MiB) // (n * 4))
@@ -221,8 +232,9 @@ def exact_runs(path: Path, n: int, deadline: float) -> dict[str, Any]:
         read_times.append(time.perf_counter() - t0)
         if total != size:
             raise AssertionError(f"sequential read got {total} of {size} bytes")
-    return {"tile_s": summary(tile_times), "tile_read_bytes": summary(tile_io), "sequential_read_s": summary(read_times),
-            "file_bytes": size, "step": list(result.step), "pixels": list(result.shape), "runs": len(tile_times)}
+    return {"tile_s": summary(tile_times), "tile_read_bytes": summary(tile_io),
+            "sequential_read_s": summary(read_times), "file_bytes": size, "step": list(result.step),
+            "pixels": list(result.shape), "runs": len(tile_times)}
 
 
 # ---------------------------------------------------------------- 3. Architecture view
@@ -250,7 +262,8 @@ def page_load(browser: Any, base: str) -> dict[str, float]:
         page.wait_for_function(READY, polling=5)
         wall = time.perf_counter() - t0
         in_page = page.evaluate("window.__readyAt") / 1e3
-        rows = page.evaluate("document.querySelectorAll('#tree-list [data-testid=tree-node], #tree-list [data-testid=tensor-row]').length")
+        rows = page.evaluate("document.querySelectorAll('#tree-list [data-testid=tree-node], "
+                             "#tree-list [data-testid=tensor-row]').length")
         error = page.evaluate("document.body.dataset.error || null")
         if errors or error:
             raise AssertionError(f"the page failed: {errors or error}")
@@ -349,8 +362,8 @@ def main() -> None:
     rows = []
     big_lib, small_lib = approx["4GiB"]["tile_s"]["median"], approx["40MiB"]["tile_s"]["median"]
     big_http, small_http = http["4GiB"]["tile_s"]["median"], http["40MiB"]["tile_s"]["median"]
-    table = [["approximate, library", fmt_s(big_lib), fmt_s(small_lib), fmt_bytes(approx["4GiB"]["read_bytes"]["median"]),
-              fmt_bytes(approx["40MiB"]["read_bytes"]["median"])],
+    table = [["approximate, library", fmt_s(big_lib), fmt_s(small_lib),
+              fmt_bytes(approx["4GiB"]["read_bytes"]["median"]), fmt_bytes(approx["40MiB"]["read_bytes"]["median"])],
              ["approximate, HTTP", fmt_s(big_http), fmt_s(small_http), "", ""]]
     print()
     print(f"first tile, {PX}x{PX} px, cold (step {approx['4GiB']['step']} / {approx['40MiB']['step']})")
@@ -372,10 +385,11 @@ def main() -> None:
                     f"{exact['runs']} run(s): each takes {fmt_s(ex)}, more would pass the 5-minute limit"))
     warm_ready, first = arch["warm_ready_s"]["median"], arch["first_load"]["ready_s"]
     an_warm, an_cold = arch["anchor_open_describe_warm_s"]["median"], arch["anchor_open_describe_cold_s"]["median"]
-    print(f"architecture view (20,000 tensors): first load {fmt_s(first)} (server start {fmt_s(arch['server_create_app_cold_s'])}"
-          f", cold); warm loads median {fmt_s(warm_ready)} (wall {fmt_s(arch['warm_wall_s']['median'])}); "
-          f"open+describe warm {fmt_s(an_warm)}, cold {fmt_s(an_cold)}; /summary {fmt_s(arch['summary_endpoint_s']['median'])}"
-          f" ({fmt_bytes(arch['summary_json_bytes'])})")
+    print(f"architecture view (20,000 tensors): first load {fmt_s(first)} "
+          f"(server start {fmt_s(arch['server_create_app_cold_s'])}, cold); "
+          f"warm loads median {fmt_s(warm_ready)} (wall {fmt_s(arch['warm_wall_s']['median'])}); "
+          f"open+describe warm {fmt_s(an_warm)}, cold {fmt_s(an_cold)}; "
+          f"/summary {fmt_s(arch['summary_endpoint_s']['median'])} ({fmt_bytes(arch['summary_json_bytes'])})")
     bench = "viewer: Architecture view of 20,000 tensors (1,000 HF shards), navigation to interactive"
     rows.append(row(bench, "warm server, fresh page loads", tensormorph=fmt_s(warm_ready),
                     anchor=f"open + describe (warm): {fmt_s(an_warm)}", ratio=an_warm / warm_ready, target="< 1 s",

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from tensormorph.core import human_bytes
+from tensormorph.units import human_bytes
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 BENCH_DIR = Path(__file__).resolve().parent
@@ -336,9 +336,8 @@ def timed_on_ranks(step: Callable[[], Any], *, prefault_bytes: int, cold: bool) 
 
     import torch.distributed as dist
 
-    if dist.get_rank() == 0:
-        if not (cold and drop_caches()):
-            os.sync()
+    if dist.get_rank() == 0 and not (cold and drop_caches()):
+        os.sync()
     dist.barrier()
     prefault(prefault_bytes)
     dist.barrier()

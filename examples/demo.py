@@ -114,7 +114,7 @@ def main() -> None:
     with tm.open(minilm_file()) as original, tm.open(dcp_dir) as dcp, tm.open(hf_dir) as hf:
         for name, tensor in original.items():
             reference = tensor.full()
-            for other in (dcp[f"model.{name}"], hf[name] if name in hf else None):
+            for other in (dcp[f"model.{name}"], hf.get(name)):
                 if other is not None and not np.array_equal(other.full().view(np.uint8), reference.view(np.uint8)):
                     sys.exit(f"demo check failed: {name} differs in {other.name}")
         print(f"\nall {len(original)} tensors of the original, the 4-rank DCP checkpoint and the HF shards are "
@@ -132,7 +132,8 @@ def main() -> None:
 
     run("diff", str(dcp_dir), str(altered), "--rename", "a:model.=", check=False)  # exits 1: it differs
     if "--no-view" not in sys.argv:
-        run("view", str(dcp_dir), str(altered), "--rename", "a:model.=", *(a for a in sys.argv[1:] if a == "--no-browser"))
+        browser_flags = (a for a in sys.argv[1:] if a == "--no-browser")
+        run("view", str(dcp_dir), str(altered), "--rename", "a:model.=", *browser_flags)
 
 
 if __name__ == "__main__":

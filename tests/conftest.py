@@ -1,24 +1,19 @@
 """Pytest plumbing for real checkpoint fixtures.
 
-Fixtures are built once (by the real libraries, see tests/fixtures/builders.py)
-into ``tests/.fixture-cache/<sha1 of builders.py>/<name>/`` and reused by later
-runs.  Each one is built in a temporary sibling folder and renamed into place,
-so a present folder is always complete.
+Fixtures are built once (by the real libraries, see tests/fixtures/builders.py) into the fixture cache
+(tests/fixtures/cache.py: ``tests/.fixture-cache/<name>/<sha1 of builders.py>/``) and reused by later runs.
 
 Layout of each cached fixture folder::
 
-    <name>/ckpt                       the checkpoint (dir or file set)
-    <name>/ckpt.expected.safetensors  full logical tensors by flattened name
-    <name>/ckpt.expected.json         non-tensor items by flattened name
+    <folder>/ckpt                       the checkpoint (dir or file set)
+    <folder>/ckpt.expected.safetensors  full logical tensors by flattened name
+    <folder>/ckpt.expected.json         non-tensor items by flattened name
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
 import sys
-import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,53 +24,18 @@ if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
 from fixtures import builders  # noqa: E402
-
-_BUILDERS_SRC = Path(builders.__file__).read_bytes()
-CACHE_ROOT = TESTS_DIR / ".fixture-cache" / hashlib.sha1(_BUILDERS_SRC).hexdigest()
+from fixtures.cache import cached_build  # noqa: E402
 
 
-def _drop_stale_caches() -> None:
-    """Remove cache folders built by other versions of builders.py."""
-    parent = CACHE_ROOT.parent
-    if not parent.is_dir():
-        return
-    for d in parent.iterdir():
-        if d.is_dir() and d != CACHE_ROOT and len(d.name) == 40 and all(c in "0123456789abcdef" for c in d.name):
-            shutil.rmtree(d, ignore_errors=True)
-
-
-def _cached(name: str, build) -> Path:
-    """Return ``CACHE_ROOT/name``, running ``build(tmp_folder)`` first if needed."""
-    final = CACHE_ROOT / name
-    if final.is_dir():
-        return final
-    _drop_stale_caches()
-    CACHE_ROOT.mkdir(parents=True, exist_ok=True)
-    tmp = CACHE_ROOT / f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        build(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not final.is_dir():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)  # someone else won the race
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+def _cached(name: str, build: Callable[[Path], None]) -> Path:
+    """The cache folder of fixture `name`, which `build(folder)` fills when builders.py has not built it yet."""
+    return cached_build(name, builders, build)
 
 
 @pytest.fixture(scope="session")
 def fixture_builders():
     """The builders module (build_*, load_expected, expected_paths, ...)."""
     return builders
-
-
-@pytest.fixture(scope="session")
-def fixture_cache_dir() -> Path:
-    return CACHE_ROOT
 
 
 @pytest.fixture(scope="session")

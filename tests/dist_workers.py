@@ -181,7 +181,7 @@ def unsupported_worker(rank: int, port: int, out: str, world: int, path: str) ->
 def crash_worker(rank: int, port: int, out: str, world: int, path: str) -> None:
     """Overwrite a committed checkpoint, but rank 1 dies halfway through writing its file."""
     import tensormorph as tm
-    from tensormorph import distributed
+    from tensormorph.tmformat import writer
 
     init(rank, world, port, timeout_s=20)
     state = save_state((2,))
@@ -191,7 +191,7 @@ def crash_worker(rank: int, port: int, out: str, world: int, path: str) -> None:
             f.flush()
             os._exit(17)
 
-        distributed.write_rank_file = die_halfway
+        writer.write_rank_file = die_halfway
     tm.save(state, path, overwrite=True)
     _write(out, rank, {"committed": True})
 

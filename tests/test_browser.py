@@ -12,12 +12,11 @@ import re
 
 import numpy as np
 import pytest
-
-from tensormorph.server import create_app
-
 from browser_support import SCREENSHOTS
 from playwright.sync_api import Error as PlaywrightError
 from playwright.sync_api import expect
+
+from tensormorph.server import create_app
 
 pytestmark = pytest.mark.timeout(120)
 

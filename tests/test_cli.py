@@ -22,7 +22,6 @@ import tensormorph as tm
 from tensormorph.cli import main
 from tensormorph.errors import CheckpointError
 
-
 pytestmark = pytest.mark.timeout(120)
 
 

@@ -22,21 +22,27 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from click.testing import CliRunner
-from hypothesis import given, settings
+from fixtures import builders, deepspeed_builders
+from fixtures.cache import cached_build
+from fixtures.deepspeed_builders import CONFIGS, TAG
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
+from test_tiles import assert_fields_equal, decode_tile, reference_tile
 
 import tensormorph as tm
-from fixtures import builders, deepspeed_builders
-from fixtures.deepspeed_builders import CONFIGS, TAG
-from fixtures.cache import cached_build
 from tensormorph.cli import main
 from tensormorph.core import Checkpoint
-from tensormorph.errors import (CheckpointError, HeaderError, MissingFileError, UnknownFormatError,
-                                UnsafePathError, UnsafePickleError)
+from tensormorph.errors import (
+    CheckpointError,
+    HeaderError,
+    MissingFileError,
+    UnknownFormatError,
+    UnsafePathError,
+    UnsafePickleError,
+)
 from tensormorph.formats import deepspeed
 from tensormorph.server import create_app
-from test_tiles import assert_fields_equal, decode_tile, reference_tile
 
 pytestmark = pytest.mark.timeout(300)  # a cold cache trains and saves six configurations (about 20 s)
 
@@ -526,33 +532,83 @@ def mangle_target(built: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     return ckpt
 
 
-@settings(max_examples=80, deadline=None)
-@given(data=st.data())
-def test_mangled_optimizer_states_fail_cleanly(mangle_target: Path, data: st.DataObject) -> None:
-    """Any value of the optimizer-states tree replaced by junk, a tensor of another shape, or removed: the reader
-    opens it or raises a CheckpointError, never anything else."""
+# Records of rank 1's optimizer states that its partition layout rests on: the tree down to the moments, the
+# stage, the flat fp32 partition and the parameter list. Any other value there is a damaged file.
+LAYOUT_RECORDS = [("optimizer_state_dict",), ("optimizer_state_dict", "zero_stage"),
+                  ("optimizer_state_dict", "single_partition_of_fp32_groups"),
+                  ("optimizer_state_dict", "single_partition_of_fp32_groups", 0),
+                  ("optimizer_state_dict", "base_optimizer_state"),
+                  ("optimizer_state_dict", "base_optimizer_state", "state"),
+                  ("optimizer_state_dict", "base_optimizer_state", "state", 0),
+                  ("optimizer_state_dict", "base_optimizer_state", "param_groups", 0, "params")]
+# Records no tensor is read from: whatever they hold, every tensor reads as before.
+UNREAD_RECORDS = [("optimizer_state_dict", "param_alignment_paddings"),
+                  ("optimizer_state_dict", "param_alignment_paddings", 0),
+                  *[("optimizer_state_dict", "param_alignment_paddings", 0, i) for i in range(5)],
+                  ("optimizer_state_dict", "base_optimizer_state", "param_groups", 0, "lr")]
+NOTHING = object()  # a deleted record
+
+
+def mangle(data: st.DataObject, path: tuple) -> tuple[dict[str, Any], Any, Any]:
+    """rank 1's template with the record at `path` replaced by junk, a tensor of any shape, or deleted:
+    (template, the original value, its replacement)."""
     import torch
 
     template = _rank1_template()
-    path = data.draw(st.sampled_from(list(_paths(template))[1:]))
     parent = template
     for key in path[:-1]:
         parent = parent[key]
     shapes = st.lists(st.integers(0, 90), max_size=2).map(lambda s: torch.zeros(tuple(s)))
-    replacement = data.draw(st.one_of(JUNK, shapes, st.just(KeyError)))
-    if replacement is KeyError:
+    replacement = data.draw(st.one_of(JUNK, shapes, st.just(NOTHING)))
+    original = parent[path[-1]]
+    if replacement is NOTHING:
         del parent[path[-1]]
     else:
         parent[path[-1]] = replacement
-    torch.save(template, mangle_target / TAG / optim_file("zero2_fp32", 1))
-    try:
-        with tm.open(mangle_target) as ck:
-            for name in ck:
-                ck[name].full()
-            for entry in ck.objects.values():
-                try:
-                    entry.value()
-                except UnsafePickleError:
-                    pass
-    except CheckpointError:
-        pass
+    return template, original, replacement
+
+
+def same_value(a: Any, b: Any) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and bool(torch.equal(a, b)))
+    return type(a) is type(b) and a == b
+
+
+def read_all(ckpt: Path) -> dict[str, np.ndarray]:
+    with tm.open(ckpt) as ck:
+        return {name: ck[name].full() for name in ck}
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_mangled_layout_records_are_refused(mangle_target: Path, data: st.DataObject) -> None:
+    """Any other value (junk, a tensor of another shape) in a record the partition layout rests on, or the
+    record deleted, is a HeaderError naming rank 1's file."""
+    import torch
+
+    path = data.draw(st.sampled_from(LAYOUT_RECORDS))
+    template, original, replacement = mangle(data, path)
+    assume(not same_value(original, replacement))
+    victim = mangle_target / TAG / optim_file("zero2_fp32", 1)
+    torch.save(template, victim)
+    with pytest.raises(HeaderError) as caught:
+        read_all(mangle_target)
+    assert optim_file("zero2_fp32", 1) in str(caught.value)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_mangled_unread_records_change_no_tensor(mangle_target: Path, data: st.DataObject) -> None:
+    """Whatever replaces (or deletes) a record no tensor is read from, every tensor reads as before."""
+    import torch
+
+    victim = mangle_target / TAG / optim_file("zero2_fp32", 1)
+    torch.save(_rank1_template(), victim)
+    before = read_all(mangle_target)
+    template, _, _ = mangle(data, data.draw(st.sampled_from(UNREAD_RECORDS)))
+    torch.save(template, victim)
+    after = read_all(mangle_target)
+    assert after.keys() == before.keys() and all(same(after[name], before[name]) for name in before)

@@ -18,16 +18,16 @@ import sys
 import time
 from pathlib import Path
 
+import dist_workers as w
 import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as tmp
 from torch.multiprocessing.spawn import ProcessException
 
-import dist_workers as w
 import tensormorph as tm
 from tensormorph.errors import StateMismatchError, UncommittedCheckpointError
-from tensormorph.manifest import MANIFEST, TEMP_PREFIX
+from tensormorph.tmformat.manifest import MANIFEST, TEMP_PREFIX
 
 S3_OPTIONS_TEMPLATE = {"key": "testing", "secret": "testing", "client_kwargs": {"region_name": "us-east-1"}}
 
@@ -61,7 +61,8 @@ def s3():
                 server.kill()
                 raise RuntimeError("moto's S3 server did not start") from None
             time.sleep(0.2)
-    options = {**S3_OPTIONS_TEMPLATE, "client_kwargs": {**S3_OPTIONS_TEMPLATE["client_kwargs"], "endpoint_url": endpoint}}
+    client_kwargs = {**S3_OPTIONS_TEMPLATE["client_kwargs"], "endpoint_url": endpoint}
+    options = {**S3_OPTIONS_TEMPLATE, "client_kwargs": client_kwargs}
     import boto3
 
     boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
@@ -105,7 +106,8 @@ def test_manifest_balances_replicas_and_records_placements(saved):
     assert len(b.chunks) == 2 and all(len(c.ranks) == 2 for c in b.chunks)
     # the fully replicated tensors are not all written by rank 0: writers are balanced by bytes
     manifest = json.loads((Path(saved["targets"]["local"][0]) / MANIFEST).read_text())["body"]
-    writers = {chunk["rank"] for name in ("model.r", "opt.step", "model.b") for chunk in manifest["tensors"][name]["chunks"]}
+    writers = {chunk["rank"] for name in ("model.r", "opt.step", "model.b")
+               for chunk in manifest["tensors"][name]["chunks"]}
     assert len(writers) > 1
     sizes = [r["local"] for r in saved["records"]]
     assert max(sizes) - min(sizes) < 0.1 * max(sizes)  # each rank wrote about a quarter
@@ -222,9 +224,9 @@ def test_load_names_file_and_tensor_on_a_damaged_block(saved, tmp_path):
     # byte still find it: the block's other bytes are read to complete its checksum
     with pytest.raises(tm.CheckpointError, match="CRC-32C"):
         tm.open(copy)["model.w"][2002:2003, 801:802]
-    from tensormorph.boxread import BoxReader
-    from tensormorph.formats.tensormorph import read_manifest
     from tensormorph.storage import LocalFiles
+    from tensormorph.tmformat.checkpoint import read_manifest
+    from tensormorph.tmformat.reader import BoxReader
 
     with BoxReader(read_manifest(LocalFiles(copy), str(copy)), LocalFiles(copy), str(copy)) as reader:
         out = np.zeros((3, 1), np.float32)

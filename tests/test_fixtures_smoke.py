@@ -9,9 +9,8 @@ import struct
 
 import pytest
 import torch
-
-from fixtures import builders  # noqa: E402
-from fixtures.builders import expected_paths, load_expected, load_expected_json  # noqa: E402
+from fixtures import builders
+from fixtures.builders import expected_paths, load_expected, load_expected_json
 
 
 def _bytes(t):
@@ -91,8 +90,9 @@ def test_dcp_safetensors(dcp_safetensors_ckpt):
             meta = f.metadata()
             assert meta["DCP_VERSION"] == "1.0" and meta["format"] == "pt"
             info = json.loads(meta["DCP_SHARDING_INFO"])
-            assert set(info) == set(f.keys())
-            for k in f.keys():
+            names = f.keys()  # safe_open objects are not iterable
+            assert set(info) == set(names)
+            for k in names:
                 t = f.get_tensor(k)
                 sl = tuple(slice(o, o + n) for o, n in zip(info[k]["saved_offsets"], t.shape))
                 got[k][sl] = t

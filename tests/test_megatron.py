@@ -18,15 +18,15 @@ import pytest
 import safetensors.numpy
 import torch  # a dev dependency: the fixtures and the hostile common.pt files are made by torch itself
 from click.testing import CliRunner
+from fixtures import megatron_builders
+from fixtures.cache import cached_build
 from starlette.testclient import TestClient
 
 import tensormorph as tm
-from fixtures import megatron_builders
-from fixtures.cache import cached_build
 from tensormorph import safe_pickle
 from tensormorph.cli import main
-from tensormorph.formats import dcp
 from tensormorph.errors import HeaderError, MissingFileError, UnsafePickleError, UnsupportedError
+from tensormorph.formats import dcp
 from tensormorph.server import create_app
 
 pytestmark = pytest.mark.timeout(240)  # the first run saves the fixture on 2 gloo ranks (about 20 s)
@@ -92,7 +92,8 @@ def test_detected_before_dcp_with_the_backend_shown(ckpt: Path) -> None:
         assert ck.format == "megatron-torch-dist" and ck.path == ckpt
         meta = ck.metadata
         assert (meta["sharded_backend"], meta["sharded_backend_version"]) == ("torch_dist", 1)
-        assert (meta["common_backend"], meta["common_backend_version"], meta["common_file"]) == ("torch", 1, "common.pt")
+        common = (meta["common_backend"], meta["common_backend_version"], meta["common_file"])
+        assert common == ("torch", 1, "common.pt")
         assert meta["version"] == "1.0.0" and meta["metadata_files"] == [".metadata"]  # DCP's own metadata
         assert ck.files == ("__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp")
 

@@ -19,7 +19,12 @@ from accelerate import infer_auto_device_map, init_empty_weights
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import (
-    AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
 )
 
 import tensormorph as tm

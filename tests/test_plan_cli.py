@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner, Result
 
 import tensormorph as tm
-from tensormorph.core import human_bytes
+from tensormorph.cli.plan import plan_command
 from tensormorph.planner import Workload
-from tensormorph.planner.cli import plan_command
+from tensormorph.units import human_bytes
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,13 +13,12 @@ import re
 from pathlib import Path
 
 import pytest
+from browser_support import SCREENSHOTS
+from playwright.sync_api import expect
 
 import tensormorph as tm
 from tensormorph.planner import Workload
 from tensormorph.server import create_app
-
-from browser_support import SCREENSHOTS
-from playwright.sync_api import expect
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUT = 20_000  # ms

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from fixtures.builders import expected_paths, load_expected
 
 import tensormorph as tm
-from fixtures.builders import expected_paths, load_expected
 from tensormorph.cli import main
 from tensormorph.errors import CheckpointError, ChecksumError, HeaderError
-from tensormorph.manifest import MANIFEST
-from tensormorph.redundancy import Scheme, overhead, parse_scheme, parity_writer
+from tensormorph.tmformat.manifest import MANIFEST
+from tensormorph.tmformat.parity import Scheme, overhead, parity_writer, parse_scheme
 
 DATA = [f"rank-{r:05d}.safetensors" for r in range(4)]
 PARITY = ["parity-00000-0.bin", "parity-00000-1.bin"]

@@ -22,11 +22,11 @@ import psutil
 import pytest
 import safetensors.numpy
 from starlette.testclient import TestClient
+from test_tiles import assert_fields_equal, decode_tile, reference_tile, view_of
 
 import tensormorph.server as server_module
 from tensormorph.core import DEFAULT_READ_BUDGET
 from tensormorph.server import create_app
-from test_tiles import assert_fields_equal, decode_tile, reference_tile, view_of
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import tensormorph as tm
-from tensormorph.manifest import MANIFEST, TEMP_PREFIX, parse
+from tensormorph.tmformat.manifest import MANIFEST, TEMP_PREFIX, parse
 from tensormorph.train import Checkpointer
 from tensormorph.train import rng as tm_rng
 

@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import tensormorph as tm
-from tensormorph.errors import ChecksumError, CheckpointError, StateMismatchError
-from tensormorph.manifest import MANIFEST, decode_value, encode_value
+from tensormorph.errors import CheckpointError, ChecksumError, StateMismatchError
+from tensormorph.tmformat.manifest import MANIFEST, decode_value, encode_value
 from tensormorph.train import Checkpointer, ResumableSampler
 from tensormorph.train import checkpointer as checkpointer_module
 from tensormorph.train import rng as tm_rng
@@ -492,7 +492,7 @@ def test_a_save_before_the_first_batch_resumes_the_same_random_streams(tmp_path)
 
 def test_a_second_checkpointer_leaves_a_save_in_progress_alone(tmp_path, monkeypatch):
     """An evaluator polling Checkpointer(root).latest() must not delete the training job's unfinished save."""
-    from tensormorph import locations
+    from tensormorph.tmformat import commit as locations
 
     inside, gate = threading.Event(), threading.Event()
     commit = locations.LocalDestination.commit
@@ -514,6 +514,7 @@ def test_a_second_checkpointer_leaves_a_save_in_progress_alone(tmp_path, monkeyp
 
 def _rank_alone(rank: int, port: int, root: str, out: str) -> None:
     import os
+
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")

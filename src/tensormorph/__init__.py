@@ -9,21 +9,22 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import Any
 
 from .core import DEFAULT_READ_BUDGET, Checkpoint, Chunk, LogicalTensor, ObjectEntry, Placement
 from .errors import CheckpointError
-from .formats import detect
-from .formats import open_checkpoint as _open
+from .formats import detect, open_checkpoint
 from .ops.convert import convert
 from .ops.diff import diff
 from .ops.verify import verify
+from .version import __version__ as __version__
 
 __all__ = [
     "Checkpoint", "CheckpointError", "Chunk", "DEFAULT_READ_BUDGET", "LogicalTensor", "ObjectEntry", "Placement",
     "convert", "detect", "diff", "open", "verify",
 ]  # save, load and plan load on first use (torch for the first two) and stay out of `import *`
-__version__ = "0.1.0"
 
 
 def open(path: str | Path, format: str | None = None, *, read_budget: int = DEFAULT_READ_BUDGET) -> Checkpoint:
@@ -34,22 +35,15 @@ def open(path: str | Path, format: str | None = None, *, read_budget: int = DEFA
     the format is detected from the content. Reads larger than `read_budget`
     bytes raise BudgetExceededError unless forced.
     """
-    checkpoint = _open(path, format)
-    if read_budget != DEFAULT_READ_BUDGET:
-        from dataclasses import replace
-
-        checkpoint = replace(checkpoint, tensors={n: t.with_budget(read_budget) for n, t in checkpoint.tensors.items()})
-    return checkpoint
+    return open_checkpoint(path, format, read_budget=read_budget)
 
 
 # torch-dependent entry points load on first use, so `import tensormorph` stays torch-free.
 _LAZY = {"save": ".distributed", "load": ".distributed", "plan": ".planner"}
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'tensormorph' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(module, __name__), name)

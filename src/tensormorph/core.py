@@ -10,7 +10,6 @@ only the pages it needs.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -21,7 +20,9 @@ import numpy as np
 
 from . import dtypes
 from .errors import BudgetExceededError, CheckpointError, ChunkLayoutError, TensorNotFoundError
-from .storage import LocalFiles
+from .geometry import byte_runs
+from .storage import ByteStore, MappableStore
+from .units import human_bytes
 
 DEFAULT_READ_BUDGET = 2 * 1024**3
 """Reads that would materialise more bytes than this raise BudgetExceededError."""
@@ -47,7 +48,7 @@ class ChunkSource(Protocol):
 class MappedArray:
     """A chunk stored raw at a byte offset of a file (safetensors, torch storages)."""
 
-    files: LocalFiles
+    files: MappableStore
     file: str
     offset: int
     dtype: np.dtype
@@ -76,44 +77,14 @@ class MappedArray:
         runs = byte_runs(self.offset, self.shape, self._byte_strides(), self.dtype.itemsize, index)
         if len(runs) != 1 or runs[0][1] - runs[0][0] != target.nbytes:
             return False
-        self.files.read_into(self.file, runs[0][0], memoryview(target.reshape(-1).view(np.uint8)))
+        self.files.read_into(self.file, runs[0][0], target.reshape(-1).view(np.uint8).data)
         return True
 
     def _byte_strides(self) -> tuple[int, ...] | None:
         return None if self.strides is None else tuple(s * self.dtype.itemsize for s in self.strides)
 
 
-MAX_ADVISED_RUNS = 4096
 DIRECT_READ_MIN = 1 << 20  # below this, copying from the memory map costs less than a system call
-
-
-def byte_runs(offset: int, shape: tuple[int, ...], byte_strides: tuple[int, ...] | None, itemsize: int,
-              index: tuple[slice, ...]) -> list[tuple[int, int]]:
-    """The [begin, end) byte ranges a strided array at `offset` touches for `index` (positive-step slices).
-
-    One range per row (adjacent ones merged), or one covering span when rows are very many.
-    """
-    if byte_strides is None:
-        byte_strides = tuple(itemsize * math.prod(shape[d + 1:]) for d in range(len(shape)))
-    ranges = [range(s.start, s.stop, s.step) for s in index]
-    if any(len(r) == 0 for r in ranges):
-        return []
-    first = offset + sum(r[0] * st for r, st in zip(ranges, byte_strides))
-    last = offset + sum(r[-1] * st for r, st in zip(ranges, byte_strides)) + itemsize
-    if not ranges:
-        return [(first, last)]
-    rows = math.prod(len(r) for r in ranges[:-1])
-    if rows > MAX_ADVISED_RUNS:
-        return [(first, last)]
-    # each row's span, from its first to its last selected element (every element when the step is 1)
-    run = (len(ranges[-1]) - 1) * ranges[-1].step * byte_strides[-1] + itemsize
-    starts = np.full(1, first, dtype=np.int64)
-    for r, stride in zip(ranges[:-1], byte_strides[:-1]):  # every row's start, in C order
-        starts = np.add.outer(starts, np.arange(len(r), dtype=np.int64) * (r.step * stride)).ravel()
-    breaks = np.flatnonzero(np.diff(starts) != run) + 1  # where a row does not continue the previous one
-    begins = starts[np.concatenate(([0], breaks))]
-    ends = starts[np.concatenate((breaks - 1, [len(starts) - 1]))] + run
-    return list(zip(begins.tolist(), ends.tolist()))
 
 
 @dataclass(frozen=True)
@@ -253,18 +224,17 @@ class LogicalTensor:
             return replace(self, name=f"{self.name}@rank{rank}", shape=chunk.shape,
                            chunks=(replace(chunk, offsets=(0,) * len(chunk.shape)),), placement=None)
         starts = [_flat_start(c, self.shape) for c in held]
-        ordered = sorted(zip(starts, held), key=lambda item: -1 if item[0] is None else item[0])
-        position = ordered[0][0]
-        for start, chunk in ordered:
-            if start is None or start != position:
-                raise CheckpointError(
-                    f"rank {rank} holds {len(held)} chunks at offsets {[c.offsets for c in held]} that are not one "
-                    "run of the flattened tensor; read them with chunk.read()", tensor=self.name)
-            position += chunk.numel
-        base = ordered[0][0]
+        ordered = sorted(((start, c) for start, c in zip(starts, held) if start is not None), key=lambda item: item[0])
+        ends = [start + chunk.numel for start, chunk in ordered]
+        # one run: every chunk has a flat start, and each starts where the one before it ends
+        if len(ordered) != len(held) or any(start != end for (start, _), end in zip(ordered[1:], ends)):
+            raise CheckpointError(
+                f"rank {rank} holds {len(held)} chunks at offsets {[c.offsets for c in held]} that are not one "
+                "run of the flattened tensor; read them with chunk.read()", tensor=self.name)
+        base, end = ordered[0][0], ends[-1]
         flat = tuple(Chunk((start - base,), (chunk.numel,), chunk.file, chunk.byte_range, _FlatSource(chunk.source),
                            chunk.ranks) for start, chunk in ordered)
-        return replace(self, name=f"{self.name}@rank{rank}", shape=(position - base,), chunks=flat, placement=None)
+        return replace(self, name=f"{self.name}@rank{rank}", shape=(end - base,), chunks=flat, placement=None)
 
     def _held_by(self, rank: int) -> list[Chunk]:
         held = [c for c in self.chunks if rank in c.ranks]
@@ -315,6 +285,11 @@ class ObjectEntry:
         return self.loader()
 
 
+def in_memory(value: Any) -> Callable[[], Any]:
+    """The loader of an object decoded already, with the index that lists it (a manifest, a pickle)."""
+    return lambda: value
+
+
 @dataclass(frozen=True, eq=False)
 class Checkpoint(Mapping[str, LogicalTensor]):
     """One logical checkpoint, whatever the files and ranks it is stored in."""
@@ -325,7 +300,7 @@ class Checkpoint(Mapping[str, LogicalTensor]):
     objects: Mapping[str, ObjectEntry] = field(default_factory=dict)
     metadata: Mapping[str, Any] = field(default_factory=dict)
     files: tuple[str, ...] = ()  # data files, relative to the checkpoint folder
-    storage: LocalFiles | None = field(default=None, repr=False)
+    storage: ByteStore | None = field(default=None, repr=False)
 
     def __getitem__(self, name: str) -> LogicalTensor:
         try:
@@ -364,6 +339,13 @@ class Checkpoint(Mapping[str, LogicalTensor]):
         return f"<Checkpoint {self.format} {str(self.path)!r}: {len(self.tensors)} tensors, {human_bytes(self.nbytes)}>"
 
 
+class LayoutOnly:
+    """The source of a chunk made only to have its layout checked (validate_tiling): it holds no data."""
+
+    def array(self) -> np.ndarray:
+        raise TypeError("a chunk made only to check a layout holds no data")
+
+
 def validate_tiling(name: str, shape: tuple[int, ...], chunks: list[Chunk], *, file: str | None = None) -> list[Chunk]:
     """Check that chunks tile `shape` exactly; return them with identical replicas merged.
 
@@ -377,12 +359,14 @@ def validate_tiling(name: str, shape: tuple[int, ...], chunks: list[Chunk], *, f
     for chunk in chunks:
         if len(chunk.offsets) != len(shape) or len(chunk.shape) != len(shape):
             raise ChunkLayoutError(
-                f"chunk at offsets {chunk.offsets} with shape {chunk.shape} has a different rank than the tensor {shape}",
+                f"chunk at offsets {chunk.offsets} with shape {chunk.shape} has a different rank than the "
+                f"tensor {shape}",
                 file=chunk.file or file, tensor=name)
         for o, s, n in zip(chunk.offsets, chunk.shape, shape):
             if o < 0 or s < 0 or o + s > n:
                 raise ChunkLayoutError(
-                    f"chunk at offsets {chunk.offsets} with shape {chunk.shape} lies outside the tensor's shape {shape}",
+                    f"chunk at offsets {chunk.offsets} with shape {chunk.shape} lies outside the tensor's "
+                    f"shape {shape}",
                     file=chunk.file or file, tensor=name)
         key = (chunk.offsets, chunk.shape)
         if key in unique:
@@ -463,7 +447,8 @@ class _IndexPlan:
     def out_shape(self) -> tuple[int, ...]:
         return tuple(d.count for d in self.dims)
 
-    def intersect(self, offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+    def intersect(self, offsets: tuple[int, ...],
+                  shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
         """(index into the chunk, index into the output) for the overlap, or None when empty."""
         source, target = [], []
         for d, o, s in zip(self.dims, offsets, shape):
@@ -485,31 +470,6 @@ class _IndexPlan:
             out = np.ascontiguousarray(out[flips])
         drops = tuple(0 if d.drop else slice(None) for d in self.dims)
         return out[drops] if any(d.drop for d in self.dims) else out
-
-
-def split_box(box: tuple[slice, ...], limit: int) -> Iterator[tuple[slice, ...]]:
-    """Cut a box into pieces of at most `limit` elements: rows of the trailing dimensions that fit."""
-    sizes = [s.stop - s.start for s in box]
-    if math.prod(sizes) <= limit:
-        yield box
-        return
-    d = next(d for d in range(len(sizes)) if math.prod(sizes[d + 1:]) <= limit)
-    step = max(1, limit // math.prod(sizes[d + 1:]))
-    for lead in itertools.product(*(range(s.start, s.stop) for s in box[:d])):
-        for start in range(box[d].start, box[d].stop, step):
-            yield (tuple(slice(i, i + 1) for i in lead) + (slice(start, min(start + step, box[d].stop)),)
-                   + box[d + 1:])
-
-
-def human_bytes(nbytes: float) -> str:
-    """Bytes as a short human string (KiB, MiB, ...)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    raise AssertionError("unreachable")
-
-
 
 
 def parse_index(text: str) -> tuple[Any, ...]:

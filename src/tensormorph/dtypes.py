@@ -93,3 +93,8 @@ def itemsize(name: str) -> int:
 def is_floating(name: str) -> bool:
     """True for real floating-point dtypes (ml_dtypes' bf16/fp8 report numpy kind 'V', so ask by name)."""
     return name.startswith("F") or name == "BF16"
+
+# vocabulary -> the canonical torch dtype attribute name (the first spelling of each in TORCH_DTYPE_NAMES)
+TORCH_DTYPE_OF: dict[str, str] = {}
+for _torch_name, _vocabulary in TORCH_DTYPE_NAMES.items():
+    TORCH_DTYPE_OF.setdefault(_vocabulary, _torch_name)

@@ -6,6 +6,8 @@ expected against what was found, so the CLI can print it as one line.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class CheckpointError(Exception):
     """Base class: something about a checkpoint is wrong or unreadable."""
@@ -73,8 +75,8 @@ class UncommittedCheckpointError(CheckpointError):
 class StateMismatchError(CheckpointError):
     """A state dict and a checkpoint disagree: missing or unexpected keys, other shapes or dtypes."""
 
-    def __init__(self, message: str, *, file: str | None = None, missing: list[str] = (),
-                 unexpected: list[str] = (), mismatched: list[str] = ()):
+    def __init__(self, message: str, *, file: str | None = None, missing: Iterable[str] = (),
+                 unexpected: Iterable[str] = (), mismatched: Iterable[str] = ()):
         super().__init__(message, file=file)
         self.missing, self.unexpected, self.mismatched = list(missing), list(unexpected), list(mismatched)
 

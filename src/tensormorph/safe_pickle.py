@@ -115,15 +115,18 @@ class _AllowlistUnpickler(pickle._Unpickler):
                               file=self._file)
         self.append(bytearray(self.read(length)))
 
-    dispatch = {**pickle._Unpickler.dispatch, pickle.FRAME[0]: _skip_frame,
-                pickle.BYTEARRAY8[0]: _load_bytearray8}
+    # typeshed types this table's handlers as taking the C `pickle.Unpickler`; pickle calls them with the
+    # pure-Python `_Unpickler` (here, this subclass)
+    dispatch = {**pickle._Unpickler.dispatch, pickle.FRAME[0]: _skip_frame,  # type: ignore[dict-item]
+                pickle.BYTEARRAY8[0]: _load_bytearray8}  # type: ignore[dict-item]
 
     def load(self) -> Any:
         # pickle's own loop reads through _Unframer, a Python call per read; reading the in-memory
         # stream directly makes the pure-Python unpickler about twice as fast.
         stream = self._stream
         self.read, self.readline, self.readinto = stream.read, stream.readline, stream.readinto
-        self.metastack, self.stack = [], []
+        self.metastack: list[list[Any]] = []
+        self.stack: list[Any] = []
         self.append = self.stack.append
         self.proto = 0
         read, dispatch = self.read, self.dispatch
@@ -132,8 +135,8 @@ class _AllowlistUnpickler(pickle._Unpickler):
                 key = read(1)
                 if not key:
                     raise EOFError("pickle ends without a STOP opcode")
-                dispatch[key[0]](self)
-        except pickle._Stop as stop:
+                dispatch[key[0]](self)  # type: ignore[arg-type]  # typeshed: see `dispatch` above
+        except pickle._Stop as stop:  # type: ignore[attr-defined]  # typeshed omits pickle's private _Stop
             return stop.value
 
     def find_class(self, module: str, name: str) -> Any:

@@ -29,13 +29,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from . import open as open_checkpoint
 from .core import DEFAULT_READ_BUDGET, Checkpoint, LogicalTensor
 from .errors import CheckpointError, TensorNotFoundError
+from .formats import open_checkpoint
 from .ops.diff import DiffReport, aligned_names, diff, parse_rename
 from .ops.stats import tensor_stats
 from .ops.summary import describe, tensor_record
 from .ops.tiles import MAX_PIXELS, View, histogram, tile
+from .planner import Workload, plan
+from .storage import LocalFiles
 
 WEB = Path(__file__).resolve().parent / "web"
 ESTIMATED_READ_RATE = 1e9  # bytes/s, for the cost shown before a full read
@@ -143,7 +145,7 @@ class Viewer:
 
 
 def _file_identity(ck: Checkpoint, file: str) -> list[Any]:
-    path = ck.storage.resolve(file) if ck.storage else Path(file)
+    path = ck.storage.resolve(file) if isinstance(ck.storage, LocalFiles) else Path(file)
     stat = path.stat()
     return [str(path), stat.st_size, stat.st_mtime_ns]
 
@@ -229,7 +231,7 @@ def list_checkpoints(request: Request) -> JSONResponse:
         for cid, ck in viewer.checkpoints.items()])
 
 
-def summary(request: Request) -> JSONResponse:
+def summary(request: Request) -> Response:
     """Tensors, totals by dtype, the folded module tree and Hugging Face config facts."""
     viewer: Viewer = request.app.state.viewer
     cid = request.path_params["cid"]
@@ -262,7 +264,9 @@ def stats(request: Request) -> JSONResponse:
         raise ApiError(400, "parameter 'bins' must be in [1, 4096]")
     result = tensor_stats(tensor)
     low, high = result.min, result.max
-    hist = histogram(tensor, low, high, bins=bins, log=_flag(request, "log")) if low is not None else None
+    hist = None
+    if low is not None and high is not None:  # both None when the tensor has no finite values
+        hist = histogram(tensor, low, high, bins=bins, log=_flag(request, "log"))
     return JSONResponse(_finite({**result.to_dict(), "histogram": hist}))
 
 
@@ -325,8 +329,6 @@ def diff_tile(request: Request) -> Response:
 
 def plan_endpoint(request: Request) -> JSONResponse:
     """A placement plan of a served checkpoint on the given devices (see docs/plan.md)."""
-    from .planner import Workload, plan
-
     viewer: Viewer = request.app.state.viewer
     ck = viewer.checkpoint(request.query_params.get("ck", "a"))
     devices = request.query_params.getlist("device")
@@ -364,7 +366,7 @@ def _finite(value: Any) -> Any:
 
 
 def _operation(summary: str, parameters: list[str], binary: bool = False) -> dict[str, Any]:
-    content = {"application/octet-stream": {}} if binary else {"application/json": {}}
+    content: dict[str, dict[str, Any]] = {"application/octet-stream": {}} if binary else {"application/json": {}}
     return {"get": {"summary": summary, "responses": {"200": {"description": "OK", "content": content}},
                     "parameters": [{"name": p, "in": "query", "schema": {"type": "string"}} for p in parameters]}}
 

@@ -3,8 +3,9 @@
     python train_loop.py --root R --out O --tag T --steps 24 --save-every 3 [--world 2 --rank 0 --port P]
 
 The model has dropout, the DataLoader shuffles with worker processes, AdamW runs
-with a warm-up scheduler, and Python's and NumPy's generators weigh each loss; with --world > 1 the model is sharded with FSDP2 on
-gloo. Every step appends `{"step", "loss", "ids"}` to `<out>/<tag>-rank<r>.jsonl`
+with a warm-up scheduler, and Python's and NumPy's generators weigh each loss; with
+--world > 1 the model is sharded with FSDP2 on gloo. Every step appends
+`{"step", "loss", "ids"}` to `<out>/<tag>-rank<r>.jsonl`
 (the loss as the hex of its float32 bits) and flushes, so a killed run leaves
 what it trained. After `ckpt.save(k)` for k in --markers, every rank waits
 until the save is durable, rank 0 prints `DURABLE k`, and the ranks pause until
@@ -136,35 +137,35 @@ def main() -> None:
             if sampler is not None:
                 sampler.set_epoch(sampler.epoch + 1)
 
-    records = open(out / f"{args.tag}-rank{rank}.jsonl", "a")
-    stream = batches()
-    for step in range(start, args.steps):
-        ids, x, y = next(stream)
-        # Python's and NumPy's generators weigh the loss, so their restored states matter too
-        weight = 1 + 0.1 * random.random() + 0.1 * abs(float(np.random.standard_normal()))
-        loss = nn.functional.mse_loss(model(x), y) * weight
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
-        sched.step()
-        opt.zero_grad()
-        tokens += len(ids)
-        records.write(json.dumps({"step": step, "loss": bits(loss.item()), "ids": ids.tolist()}) + "\n")
-        records.flush()
-        due = (step + 1) % args.save_every == 0 or step + 1 in args.save_at
-        if due or (args.preempt and ckpt.stop_requested()):
-            ckpt.save(step + 1, **state, extra={"tokens_seen": tokens})
-            if step + 1 in args.markers:
-                ckpt.wait()
-                if rank == 0:
-                    print(f"DURABLE {step + 1}", flush=True)
-                time.sleep(600)
-        if rank == 0:
-            print(f"STEP {step + 1}", flush=True)
+    with open(out / f"{args.tag}-rank{rank}.jsonl", "a") as records:
+        stream = batches()
+        for step in range(start, args.steps):
+            ids, x, y = next(stream)
+            # Python's and NumPy's generators weigh the loss, so their restored states matter too
+            weight = 1 + 0.1 * random.random() + 0.1 * abs(float(np.random.standard_normal()))
+            loss = nn.functional.mse_loss(model(x), y) * weight
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            sched.step()
+            opt.zero_grad()
+            tokens += len(ids)
+            records.write(json.dumps({"step": step, "loss": bits(loss.item()), "ids": ids.tolist()}) + "\n")
+            records.flush()
+            due = (step + 1) % args.save_every == 0 or step + 1 in args.save_at
+            if due or (args.preempt and ckpt.stop_requested()):
+                ckpt.save(step + 1, **state, extra={"tokens_seen": tokens})
+                if step + 1 in args.markers:
+                    ckpt.wait()
+                    if rank == 0:
+                        print(f"DURABLE {step + 1}", flush=True)
+                    time.sleep(600)
+            if rank == 0:
+                print(f"STEP {step + 1}", flush=True)
     ckpt.wait()
     msd, osd = get_state_dict(model, opt)
     final = {"model": msd, "optimizer": osd, "scheduler": sched.state_dict(), "tokens": tokens,

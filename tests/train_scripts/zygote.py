@@ -18,6 +18,7 @@ that shares nothing with earlier ones but the imported modules.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -32,18 +33,16 @@ sys.path.insert(0, str(HERE))
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported
 
 import numpy  # noqa: E402,F401
-import torch  # noqa: E402,F401
-import torch._dynamo  # noqa: E402,F401  (what the first optimizer would import)
-import torch.distributed.checkpoint.state_dict  # noqa: E402,F401
-import torch.distributed.fsdp  # noqa: E402,F401
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402  (what the first optimizer would import)
+import torch.distributed.checkpoint.state_dict  # noqa: E402
+import torch.distributed.fsdp  # noqa: E402
 import torch.utils.data  # noqa: E402,F401
 
 import tensormorph.train  # noqa: E402,F401
 
-try:
+with contextlib.suppress(ImportError):  # the StatefulDataLoader test reports the missing package itself
     import torchdata.stateful_dataloader  # noqa: F401
-except ImportError:  # the StatefulDataLoader test reports the missing package itself
-    pass
 
 
 def _child(target: str, argv: list[str], log: str) -> None:
@@ -87,10 +86,8 @@ def _signal(pid: int, sig: int, group: bool) -> None:
             raise ProcessLookupError
         os.killpg(pid, sig)
     except ProcessLookupError:  # not yet its own session leader: the process alone
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def main() -> None:

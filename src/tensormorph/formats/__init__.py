@@ -1,28 +1,47 @@
-"""Format readers: one module per format, each with `detect(path)` and `open(path)`.
+"""Format readers: one module (or package) per format, each keeping the contract in `contract.py`.
 
-Modules in this package are found automatically; each declares NAME and a
-PRIORITY (lower is tried first, so specific formats win over generic ones).
-Adding a format means adding one module here and nothing else.
+READERS is the one ordered registry: detection tries them in this order, so specific formats win over
+generic ones (a Megatron folder is also a DCP folder; a folder of safetensors files with an index is
+also a folder of safetensors files). Adding a format means adding its module and one line here.
 """
 
 from __future__ import annotations
 
 import gc
-import importlib
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-import pkgutil
+from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
 
-from ..core import Checkpoint
+from ..core import DEFAULT_READ_BUDGET, Checkpoint
 from ..errors import CheckpointError, MissingFileError, UnknownFormatError
+from . import (
+    dcp,
+    dcp_safetensors,
+    deepspeed,
+    deepspeed_universal,
+    gguf,
+    hf_sharded,
+    megatron,
+    safetensors,
+    tensormorph,
+    torch_pickle,
+)
+from .contract import Detection, FormatReader
 
-
-def readers() -> list[ModuleType]:
-    """Every format module, in detection order."""
-    modules = [importlib.import_module(f"{__name__}.{info.name}") for info in pkgutil.iter_modules(__path__)]
-    return sorted((m for m in modules if hasattr(m, "detect") and hasattr(m, "NAME")), key=lambda m: m.PRIORITY)
+READERS: tuple[FormatReader, ...] = (
+    megatron,  # before dcp: the same files, with more to show
+    tensormorph,
+    dcp,
+    dcp_safetensors,
+    deepspeed,  # before the plain torch reader, which would see only one file
+    deepspeed_universal,  # a save folder holding both opens as the ZeRO checkpoint; this one by its own folder
+    hf_sharded,
+    safetensors,
+    gguf,  # after the Hugging Face layouts: a model folder often holds a .gguf export beside them
+    torch_pickle,
+)
+BY_NAME: dict[str, FormatReader] = {reader.NAME: reader for reader in READERS}
 
 
 @contextmanager
@@ -38,38 +57,52 @@ def _collection_paused() -> Iterator[None]:
             gc.enable()
 
 
-def detect(path: str | Path) -> str | None:
-    """The format name of the checkpoint at `path`, judged by content; None when unknown."""
-    path = Path(path)
-    for reader in readers():
-        if reader.detect(path):
-            return reader.NAME
+def _detect(path: Path) -> tuple[FormatReader, Detection] | None:
+    for reader in READERS:
+        found = reader.detect(path)
+        if found is not None:
+            return reader, found
     return None
 
 
-def open_checkpoint(path: str | Path, format: str | None = None) -> Checkpoint:
-    """Open a checkpoint file or folder as one logical checkpoint."""
+def detect(path: str | Path) -> str | None:
+    """The format name of the checkpoint at `path`, judged by content; None when unknown."""
+    found = _detect(Path(path))
+    return found[0].NAME if found is not None else None
+
+
+def reader_of(checkpoint: Checkpoint) -> FormatReader:
+    """The reader that opened `checkpoint`."""
+    return BY_NAME[checkpoint.format]
+
+
+def open_checkpoint(path: str | Path, format: str | None = None, *,
+                    read_budget: int = DEFAULT_READ_BUDGET) -> Checkpoint:
+    """Open a checkpoint file or folder as one logical checkpoint (`tensormorph.open`)."""
     path = Path(path)
     if not path.exists():
         raise MissingFileError("no such file or folder", file=str(path))
-    by_name = {r.NAME: r for r in readers()}
     if format is not None:
-        if format not in by_name:
-            raise UnknownFormatError(f"unknown format {format!r}; known: {', '.join(by_name)}", file=str(path))
-        reader = by_name[format]
+        if format not in BY_NAME:
+            raise UnknownFormatError(f"unknown format {format!r}; known: {', '.join(BY_NAME)}", file=str(path))
+        reader, detection = BY_NAME[format], Detection(path)
     else:
-        name = detect(path)
-        if name is None:
+        found = _detect(path)
+        if found is None:
             raise UnknownFormatError(
-                f"not a checkpoint any reader recognises (known formats: {', '.join(by_name)})", file=str(path))
-        reader = by_name[name]
+                f"not a checkpoint any reader recognises (known formats: {', '.join(BY_NAME)})", file=str(path))
+        reader, detection = found
     try:
         with _collection_paused():
-            return reader.open(path)
+            checkpoint = reader.open(detection)
     except CheckpointError:
         raise
     except RecursionError:
         raise CheckpointError("structure is nested too deeply to read", file=str(path)) from None
+    if read_budget != DEFAULT_READ_BUDGET:
+        checkpoint = replace(checkpoint,
+                             tensors={n: t.with_budget(read_budget) for n, t in checkpoint.tensors.items()})
+    return checkpoint
 
 
 def opened(source: str | Path | Checkpoint, stack: ExitStack) -> Checkpoint:

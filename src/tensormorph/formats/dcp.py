@@ -13,7 +13,7 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -22,12 +22,18 @@ import zstandard
 
 from .. import dtypes, safe_pickle, torchzip
 from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray, ObjectEntry, validate_tiling
-from ..errors import (CheckpointError, HeaderError, MissingFileError, TruncatedFileError, UnsafePickleError,
-                      UnsupportedError)
+from ..errors import (
+    CheckpointError,
+    HeaderError,
+    MissingFileError,
+    TruncatedFileError,
+    UnsafePickleError,
+    UnsupportedError,
+)
 from ..storage import LocalFiles
+from .contract import Detection, local_store
 
 NAME = "dcp"
-PRIORITY = 10
 
 METADATA_FILE = ".metadata"
 PER_RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
@@ -70,13 +76,17 @@ def _metadata_files(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if PER_RANK_METADATA.match(p.name) and p.is_file())
 
 
-def detect(path: Path) -> bool:
+def detect(path: Path) -> Detection | None:
+    """The metadata file(s) at `path`, when the first is a pickle of DCP's Metadata."""
     candidates = _metadata_files(path)
     if not candidates:
-        return False
-    with candidates[0].open("rb") as f:
-        head = f.read(256)
-    return head[:1] == b"\x80" and b"torch.distributed.checkpoint" in head
+        return None
+    try:
+        with candidates[0].open("rb") as f:
+            head = f.read(256)
+    except OSError:
+        return None
+    return Detection(path, candidates) if head[:1] == b"\x80" and b"torch.distributed.checkpoint" in head else None
 
 
 @dataclass(frozen=True)
@@ -154,8 +164,8 @@ def _item_bytes(files: LocalFiles, item: _Item, name: str, *, limit: int) -> mem
         return raw
     path = str(files.resolve(item.file))
     if list(item.transforms) != ["stream.zstd/1"] and not all(t.startswith("stream.zstd/") for t in item.transforms):
-        raise UnsupportedError(f"item uses transforms {list(item.transforms)}; only zstd ('stream.zstd/1') is supported",
-                               file=path, tensor=name)
+        raise UnsupportedError(f"item uses transforms {list(item.transforms)}; only zstd ('stream.zstd/1') is "
+                               "supported", file=path, tensor=name)
     try:
         data = bytes(raw)
         for _ in item.transforms:
@@ -243,9 +253,10 @@ class _Parsed:
     storage: dict[tuple[str, tuple[int, ...] | None], _Item]
 
 
-def _parse(path: Path, files: LocalFiles | None = None) -> _Parsed:
-    """Read and merge the metadata file(s): the entries and where each item is stored."""
-    metadata_paths = _metadata_files(path)
+def _parse(path: Path, files: LocalFiles | None = None, metadata_paths: list[Path] | None = None) -> _Parsed:
+    """Read and merge the metadata file(s) (those detection found, or found now): the entries and where each
+    item is stored."""
+    metadata_paths = metadata_paths or _metadata_files(path)
     if not metadata_paths:
         raise HeaderError("no .metadata file: not a finished DCP checkpoint", file=str(path))
     root = metadata_paths[0].parent
@@ -270,7 +281,7 @@ def _parse(path: Path, files: LocalFiles | None = None) -> _Parsed:
 
 def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointError | None]]:
     """Check the CRC-32 that every item's zip records for each of its records."""
-    parsed = _parse(checkpoint.path, checkpoint.storage)
+    parsed = _parse(checkpoint.path, local_store(checkpoint))
     for (fqn, _offsets), item in parsed.storage.items():
         try:
             buffer = _item_bytes(parsed.files, item, fqn, limit=MAX_OBJECT_BYTES)
@@ -281,8 +292,8 @@ def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointE
             yield fqn, None
 
 
-def open(path: Path) -> Checkpoint:
-    parsed = _parse(path)
+def open(detection: Detection) -> Checkpoint:
+    parsed = _parse(detection.path, metadata_paths=detection.found)
     root, files, records, state, storage = parsed.root, parsed.files, parsed.records, parsed.state, parsed.storage
     metadata_paths, where = parsed.metadata_paths, str(parsed.metadata_paths[0])
 
@@ -305,11 +316,11 @@ def open(path: Path) -> Checkpoint:
     for fqn, entry in state.items():
         kind = type(entry).__name__
         if kind == "BytesStorageMetadata":
-            item = storage.get((fqn, None))
-            if item is None:
+            stored = storage.get((fqn, None))
+            if stored is None:
                 raise HeaderError("no storage entry for this object", file=where, tensor=fqn)
-            objects[fqn] = ObjectEntry(fqn, item.length, item.file,
-                                       loader=lambda i=item, n=fqn: _decode_object(files, i, n))
+            objects[fqn] = ObjectEntry(fqn, stored.length, stored.file,
+                                       loader=partial(_decode_object, files, stored, fqn))
         elif kind == "TensorStorageMetadata":
             tensors[fqn] = _tensor(fqn, entry, storage, files, where)
         else:

@@ -17,9 +17,9 @@ from ..core import Checkpoint, Chunk, LogicalTensor, validate_tiling
 from ..errors import HeaderError
 from ..storage import LocalFiles
 from . import safetensors as st
+from .contract import Detection, no_checksums
 
 NAME = "dcp-safetensors"
-PRIORITY = 20
 
 SHARDING_KEY = "DCP_SHARDING_INFO"
 RANK_FILE = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
@@ -40,13 +40,18 @@ def _has_sharding_info(path: Path) -> bool:
         return SHARDING_KEY.encode() in f.read(min(length, st.MAX_HEADER_BYTES))
 
 
-def detect(path: Path) -> bool:
+def detect(path: Path) -> Detection | None:
+    """The safetensors files at `path`, when the first carries DCP's sharding info."""
     candidates = _files(path)
-    return bool(candidates) and _has_sharding_info(candidates[0])
+    return Detection(path, candidates) if candidates and _has_sharding_info(candidates[0]) else None
 
 
-def open(path: Path) -> Checkpoint:
-    candidates = _files(path)
+checksum_problems = no_checksums  # safetensors records no checksums
+
+
+def open(detection: Detection) -> Checkpoint:
+    path = detection.path
+    candidates = detection.found or _files(path)
     root = path if path.is_dir() else path.parent
     files = LocalFiles(root)
     pieces: dict[str, list[Chunk]] = {}
@@ -77,7 +82,8 @@ def open(path: Path) -> Checkpoint:
             known = dtypes.setdefault(tensor, (entry.dtype, name))
             if known[0] != entry.dtype:
                 raise HeaderError(f"is {entry.dtype} here but {known[0]} in {known[1]}", file=where, tensor=tensor)
-            pieces.setdefault(tensor, []).append(st.whole_chunk(files, entry, name, offsets=tuple(offsets), ranks=ranks))
+            chunk = st.whole_chunk(files, entry, name, offsets=tuple(offsets), ranks=ranks)
+            pieces.setdefault(tensor, []).append(chunk)
         file_metadata[name] = {k: v for k, v in header.metadata.items() if k != SHARDING_KEY}
     tensors = {}
     for tensor, chunks in pieces.items():

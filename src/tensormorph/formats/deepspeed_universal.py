@@ -5,7 +5,7 @@ Layout: `<save_dir>/latest_universal` names the folder (the folder itself opens 
 that parameter's optimizer state (`exp_avg.pt`, `exp_avg_sq.pt`, `step.pt`), `zero/optimizer_state.pt`
 (the optimizer's settings) and a copy of the model-states files.
 
-Names match the ZeRO reader's (formats/deepspeed.py), so the two compare directly: `<param>` from
+Names match the ZeRO reader's (formats/deepspeed/), so the two compare directly: `<param>` from
 fp32.pt, `optimizer.state.<param>.<key>` from `<key>.pt`, buffers, tied aliases and `module.<name>`
 from the model-states copy, objects from the model states and `optimizer.<key>`.
 """
@@ -20,10 +20,10 @@ from ..core import Checkpoint, LogicalTensor, ObjectEntry
 from ..errors import CheckpointError, HeaderError
 from ..storage import LocalFiles
 from . import deepspeed
+from .contract import Detection
 from .torch_pickle import tensor_chunk
 
 NAME = "deepspeed-universal"
-PRIORITY = 21  # a save folder holding both opens as the ZeRO checkpoint; this one by its own folder
 
 LATEST = "latest_universal"
 ZERO = "zero"
@@ -35,14 +35,17 @@ def _folder(path: Path) -> Path:
     return deepspeed.tag_folder(path, LATEST)
 
 
-def detect(path: Path) -> bool:
+def detect(path: Path) -> Detection | None:
+    """The converted folder, when its zero/ folder holds a parameter's fp32.pt."""
     try:
         if not path.is_dir():
-            return False
-        zero = _folder(path) / ZERO
-        return zero.is_dir() and any((p / f"{MASTER}.pt").is_file() for p in zero.iterdir())
+            return None
+        folder = _folder(path)
+        zero = folder / ZERO
+        found = zero.is_dir() and any((p / f"{MASTER}.pt").is_file() for p in zero.iterdir())
     except (OSError, CheckpointError):
-        return False
+        return None
+    return Detection(path, folder) if found else None
 
 
 def _tensor(files: LocalFiles, name: str, file: str) -> LogicalTensor:
@@ -56,8 +59,8 @@ def _tensor(files: LocalFiles, name: str, file: str) -> LogicalTensor:
     return LogicalTensor(name, value.dtype, value.shape, (tensor_chunk(files, file, value),))
 
 
-def open(path: Path) -> Checkpoint:
-    folder = _folder(path)
+def open(detection: Detection) -> Checkpoint:
+    folder = detection.found or _folder(detection.path)
     files = LocalFiles(folder)
     zero = folder / ZERO
     if not zero.is_dir():

@@ -18,9 +18,9 @@ from ..errors import HeaderError, MissingFileError, TensorNotFoundError
 from ..storage import LocalFiles
 from . import safetensors as st
 from . import torch_pickle
+from .contract import Detection
 
 NAME = "hf-sharded"
-PRIORITY = 30
 
 MAX_INDEX_BYTES = 100_000_000
 PREFERRED_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -45,15 +45,18 @@ def _unindexed_safetensors(path: Path) -> list[Path]:
     return found if len(found) > 1 and all(st.looks_like_safetensors(p) for p in found) else []
 
 
-def detect(path: Path) -> bool:
+def detect(path: Path) -> Detection | None:
+    """The index file at `path`, or else the folder's several safetensors files."""
     index = _index_file(path)
     if index is not None:
         try:
             with index.open("rb") as f:
-                return b'"weight_map"' in f.read(1 << 20) or _is_index(index)
+                is_index = b'"weight_map"' in f.read(1 << 20) or _is_index(index)
         except OSError:
-            return False
-    return bool(_unindexed_safetensors(path))
+            return None
+        return Detection(path, index) if is_index else None
+    shards = _unindexed_safetensors(path)
+    return Detection(path, shards) if shards else None
 
 
 def _is_index(index: Path) -> bool:
@@ -82,13 +85,15 @@ def read_index(files: LocalFiles, name: str) -> tuple[dict[str, str], dict[str, 
     return weight_map, metadata
 
 
-def open(path: Path) -> Checkpoint:
-    index = _index_file(path)
+def open(detection: Detection) -> Checkpoint:
+    path, found = detection.path, detection.found
+    index = found if isinstance(found, Path) else _index_file(path) if found is None else None
     if index is None:
-        shards = _unindexed_safetensors(path)
+        shards = found if isinstance(found, list) else _unindexed_safetensors(path)
         if not shards:
             raise HeaderError("no *.index.json and not a folder of several safetensors files", file=str(path))
-        root, weight_map, metadata = path, None, {}
+        root, weight_map = path, None
+        metadata: dict[str, Any] = {}
         files = LocalFiles(root)
         shard_names = [p.name for p in shards]
     else:
@@ -97,8 +102,8 @@ def open(path: Path) -> Checkpoint:
         weight_map, metadata = read_index(files, index.name)
         shard_names = list(dict.fromkeys(weight_map.values()))
     by_shard: dict[str, set[str]] = {}
-    for tensor, shard in (weight_map or {}).items():
-        by_shard.setdefault(shard, set()).add(tensor)
+    for tensor_name, shard in (weight_map or {}).items():
+        by_shard.setdefault(shard, set()).add(tensor_name)
     where = str(index or path)
     tensors: dict[str, LogicalTensor] = {}
     objects: dict[str, ObjectEntry] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,9 @@ from ..core import Checkpoint, ObjectEntry
 from ..errors import CheckpointError, HeaderError, MissingFileError, UnsafePickleError, UnsupportedError
 from ..storage import LocalFiles
 from . import dcp
+from .contract import Detection, local_store
 
 NAME = "megatron-torch-dist"
-PRIORITY = 5  # before dcp: the same files, with more to show
 
 CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
@@ -55,17 +56,18 @@ def _folder(path: Path) -> Path:
     return path if path.is_dir() else path.parent
 
 
-def detect(path: Path) -> bool:
+def detect(path: Path) -> Detection | None:
+    """The checkpoint folder, when its metadata.json names a sharded backend."""
     if not path.is_dir() and path.name not in (CONFIG_FILE, COMMON_FILE, dcp.METADATA_FILE):
-        return False
+        return None
     config = _folder(path) / CONFIG_FILE
     try:
         if not config.is_file() or config.stat().st_size > MAX_CONFIG_BYTES:
-            return False
+            return None
         content = json.loads(config.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(content, dict) and "sharded_backend" in content
+        return None
+    return Detection(path, _folder(path)) if isinstance(content, dict) and "sharded_backend" in content else None
 
 
 def read_config(files: LocalFiles) -> dict[str, Any]:
@@ -81,8 +83,8 @@ def read_config(files: LocalFiles) -> dict[str, Any]:
     return config
 
 
-def open(path: Path) -> Checkpoint:
-    folder = _folder(path)
+def open(detection: Detection) -> Checkpoint:
+    folder = detection.found or _folder(detection.path)
     files = LocalFiles(folder)
     config = read_config(files)
     backend = config["sharded_backend"]
@@ -90,20 +92,21 @@ def open(path: Path) -> Checkpoint:
         raise UnsupportedError(f"the checkpoint uses Megatron-Core's {backend!r} backend; only "
                                f"{SUPPORTED_BACKEND!r} (a DCP checkpoint) is supported",
                                file=str(files.resolve(CONFIG_FILE)))
-    checkpoint = dcp.open(folder)
-    common = _common_objects(checkpoint.storage or files)
+    checkpoint = dcp.open(Detection(folder))
+    common = _common_objects(local_store(checkpoint) or files)
     for name in common:
         if name in checkpoint.objects or name in checkpoint.tensors:
             raise HeaderError(f"{COMMON_FILE} and the DCP items both hold {name!r}",
                               file=str(files.resolve(COMMON_FILE)), tensor=name)
     # megatron-core stores each ShardedObject as a DCP item holding the list of this rank's pieces of it
-    sharded = {name: replace(entry, loader=lambda e=entry: _one_piece(e.value()))
+    sharded = {name: replace(entry, loader=partial(_one_piece, entry))
                for name, entry in checkpoint.objects.items()}
     metadata = {**config, **checkpoint.metadata, "common_file": COMMON_FILE}
     return replace(checkpoint, format=NAME, objects={**sharded, **common}, metadata=metadata)
 
 
-def _one_piece(value: Any) -> Any:
+def _one_piece(entry: ObjectEntry) -> Any:
+    value = entry.value()
     return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
@@ -120,7 +123,7 @@ def _common_objects(files: LocalFiles) -> dict[str, ObjectEntry]:
     if not isinstance(state, dict):
         return {COMMON_FILE: ObjectEntry(COMMON_FILE, files.size(COMMON_FILE), COMMON_FILE,
                                          loader=lambda: _plain(state, COMMON_FILE, path))}
-    return {str(key): ObjectEntry(str(key), None, COMMON_FILE, loader=lambda v=value, k=str(key): _plain(v, k, path))
+    return {str(key): ObjectEntry(str(key), None, COMMON_FILE, loader=partial(_plain, value, str(key), path))
             for key, value in state.items()}
 
 
@@ -140,7 +143,7 @@ def _plain(value: Any, name: str, path: str) -> Any:
 def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointError | None]]:
     """The CRC-32s of every DCP item's zip records, then of common.pt's."""
     yield from dcp.checksum_problems(checkpoint)
-    files = checkpoint.storage or LocalFiles(checkpoint.path)
+    files = local_store(checkpoint) or LocalFiles(checkpoint.path)
     try:
         torchzip.check_crc(files.buffer(COMMON_FILE), file=str(files.resolve(COMMON_FILE)))
     except CheckpointError as exc:

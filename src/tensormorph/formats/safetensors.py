@@ -7,14 +7,13 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from .. import dtypes
 from ..core import MAX_DIM, Checkpoint, Chunk, LogicalTensor, MappedArray
 from ..errors import HeaderError, TruncatedFileError
 from ..storage import LocalFiles
+from .contract import Detection, no_checksums
 
 NAME = "safetensors"
-PRIORITY = 40
 
 MAX_HEADER_BYTES = 100_000_000
 
@@ -72,7 +71,8 @@ def read_header(files: LocalFiles, name: str) -> Header:
     data_start = 8 + length
     data_len = size - data_start
     metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in metadata.items()):
         raise HeaderError("__metadata__ must map strings to strings", file=path)
     entries: dict[str, Entry] = {}
     for tensor, info in header.items():
@@ -90,10 +90,10 @@ def _entry(path: str, tensor: str, info: object, data_start: int, data_len: int)
     if type(info) is not dict:
         raise HeaderError("header entry must be an object with dtype, shape, data_offsets", file=path, tensor=tensor)
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    numpy_dtype = dtypes.NUMPY_DTYPES.get(dtype) if type(dtype) is str else None
-    if numpy_dtype is None:
+    if type(dtype) is not str or dtype not in dtypes.NUMPY_DTYPES:
         raise HeaderError(f"unknown dtype {dtype!r}; expected one of {', '.join(dtypes.NUMPY_DTYPES)}",
                           file=path, tensor=tensor)
+    numpy_dtype = dtypes.NUMPY_DTYPES[dtype]
     numel = 1
     if type(shape) is list:
         for d in shape:
@@ -131,15 +131,21 @@ def whole_chunk(files: LocalFiles, entry: Entry, file: str, *, offsets: tuple[in
     )
 
 
-def detect(path: Path) -> bool:
+def detect(path: Path) -> Detection | None:
+    """The one .safetensors file at `path` (itself, or the only one in a folder)."""
     if path.is_dir():
         candidates = list(path.glob("*.safetensors"))
-        return len(candidates) == 1 and looks_like_safetensors(candidates[0])
-    return looks_like_safetensors(path)
+        found = candidates[0] if len(candidates) == 1 and looks_like_safetensors(candidates[0]) else None
+    else:
+        found = path if looks_like_safetensors(path) else None
+    return Detection(path, found) if found is not None else None
 
 
-def open(path: Path) -> Checkpoint:
-    file_path = path
+checksum_problems = no_checksums  # safetensors records no checksums
+
+
+def open(detection: Detection) -> Checkpoint:
+    path = file_path = detection.found or detection.path
     if path.is_dir():
         candidates = sorted(path.glob("*.safetensors"))
         if len(candidates) != 1:

@@ -9,12 +9,12 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes, torchzip
-from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray, ObjectEntry
+from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray, ObjectEntry, in_memory
 from ..errors import CheckpointError, ChecksumError, HeaderError
 from ..storage import LocalFiles
+from .contract import Detection, local_store
 
 NAME = "torch"
-PRIORITY = 50
 
 SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 # torch.save's legacy format starts with a pickled magic number (0x1950a86a20f9469cfc6c).
@@ -49,9 +49,10 @@ def _single_file(path: Path) -> Path | None:
     return candidates[0] if len(candidates) == 1 else None
 
 
-def detect(path: Path) -> bool:
+def detect(path: Path) -> Detection | None:
+    """The one torch.save file at `path` (itself, or the only one in a folder)."""
     file = _single_file(path)
-    return file is not None and looks_like_torch(file)
+    return Detection(path, file) if file is not None and looks_like_torch(file) else None
 
 
 def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -101,18 +102,19 @@ def read_file(files: LocalFiles, file: str) -> tuple[dict[str, LogicalTensor], d
         if isinstance(leaf, torchzip.TensorRef):
             tensors[name] = LogicalTensor(name, leaf.dtype, leaf.shape, (tensor_chunk(files, file, leaf),))
         else:
-            objects[name] = ObjectEntry(name, None, file, loader=lambda v=leaf: v)
+            objects[name] = ObjectEntry(name, None, file, loader=in_memory(leaf))
     return tensors, objects
 
 
 def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointError | None]]:
     """Check the CRC-32 of every record of every torch.save file of the checkpoint."""
-    assert checkpoint.storage is not None
+    files = local_store(checkpoint)
+    assert files is not None, "the torch reader opens a local file or folder"
     for file in checkpoint.files:
-        buffer = checkpoint.storage.buffer(file)
+        buffer = files.buffer(file)
         if not torchzip.is_torch_zip(bytes(buffer[:4])):
             continue
-        path = str(checkpoint.storage.resolve(file))
+        path = str(files.resolve(file))
         try:
             torchzip.check_crc(buffer, file=path)
         except ChecksumError as exc:
@@ -132,8 +134,9 @@ def _tensor_on_record(buffer: memoryview, path: str, record: str) -> str | None:
     return None
 
 
-def open(path: Path) -> Checkpoint:
-    file_path = _single_file(path)
+def open(detection: Detection) -> Checkpoint:
+    path = detection.path
+    file_path = detection.found or _single_file(path)
     if file_path is None:
         raise HeaderError(f"expected exactly one of {', '.join(SUFFIXES)} in the folder", file=str(path))
     files = LocalFiles(file_path.parent)

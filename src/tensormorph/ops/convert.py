@@ -14,42 +14,35 @@ source.
 from __future__ import annotations
 
 import itertools
-from functools import partial
 import json
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .. import dtypes
-from ..core import Checkpoint, LogicalTensor, split_box
+from ..core import Checkpoint, LogicalTensor
 from ..errors import CheckpointError
-from ..safetensors_writer import TensorSpec, write_file
 from ..formats import opened
+from ..geometry import split_box
+from ..safe_pickle import is_plain
+from ..tmformat.layout import SHARD_PATTERN, local_box, parse_placement
+from ..tmformat.stream import TensorSpec, write_file
+from ..tmformat.writer import Piece, SaveTransaction
+from ..units import parse_size
 from .diff import DiffReport, aligned_names, diff, parse_rename
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
 DEFAULT_BLOCK_BYTES = 64 * 1024**2
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
-          "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4, "K": 1000, "M": 1000**2, "G": 1000**3}
 DTYPE_ALIASES = {"bf16": "BF16", "fp16": "F16", "f16": "F16", "half": "F16", "fp32": "F32", "f32": "F32",
                  "float32": "F32", "float16": "F16", "bfloat16": "BF16", "fp64": "F64", "f64": "F64"}
-
-
-def parse_size(text: str) -> int:
-    """'5GB' -> 5_000_000_000, '500MiB' -> 524_288_000 (HF counts GB in powers of 1000)."""
-    match = _SIZE.match(text)
-    unit = match.group(2).upper() if match else None
-    if not match or unit not in _UNITS:
-        raise CheckpointError(f"cannot read size {text!r}: use e.g. 5GB, 500MB, 2GiB")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def parse_dtype(text: str) -> str:
@@ -193,8 +186,6 @@ def _to_safetensors(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
 def _fit(placement: str, ndim: int) -> str:
     """`Shard(d)` for a tensor of `ndim` dimensions (negative d counts from the end); a tensor without
     dimension d (or a scalar) is replicated along that mesh dimension instead."""
-    from ..layout import SHARD_PATTERN
-
     match = SHARD_PATTERN.match(placement.replace(" ", ""))
     if match is None:
         return "Replicate()"
@@ -203,17 +194,28 @@ def _fit(placement: str, ndim: int) -> str:
     return f"Shard({dim})" if 0 <= dim < ndim else "Replicate()"
 
 
+def _plain_objects(ck: Checkpoint) -> tuple[dict[str, Any], list[str]]:
+    """The checkpoint's plain values (the manifest stores no others), and the names of those skipped."""
+    objects, skipped = {}, []
+    for name, entry in ck.objects.items():
+        try:
+            value = entry.value()
+        except CheckpointError:
+            skipped.append(name)
+            continue
+        if is_plain(value):
+            objects[name] = value
+        else:
+            skipped.append(name)
+    return objects, skipped
+
+
 def _to_tensormorph(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
                     blocks: Callable[..., Iterator[np.ndarray]], mesh: tuple[int, ...],
                     placements: tuple[str, ...], redundancy: str | None) -> ConvertResult:
-    from ..layout import local_box, parse_placement
-    from ..locations import LocalDestination, store
-    from ..manifest import rank_file
-    from ..safe_pickle import is_plain
-    from ..redundancy import parse_scheme, write_extras
-    from ..saving import Piece, build_manifest, plan_writers, redundancy_record, write_rank_file
-
-    scheme = parse_scheme(redundancy) if redundancy else None  # bad spellings fail before anything is written
+    """Every rank's file of a save on `mesh`, written in turn by this one process, through one SaveTransaction."""
+    save = SaveTransaction(destination, overwrite=True, redundancy=redundancy,
+                           extra={"converted_from": {"path": str(ck.path), "format": ck.format}})
     for text in placements:
         parse_placement(text, 1 << 30)  # the spelling only: dimensions are fitted to each tensor below
     coordinates = list(itertools.product(*(range(n) for n in mesh)))
@@ -224,47 +226,23 @@ def _to_tensormorph(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
             offsets, shape = local_box(spec.shape, mesh, fitted, coordinate)
             pieces[rank].append(Piece(spec.name, spec.dtype, spec.shape, offsets, shape, rank, mesh,
                                       tuple(range(len(coordinates))), None, fitted))
-    everyone = [p for ps in pieces for p in ps]
-    writers = plan_writers(everyone)
-    objects, skipped = {}, []
-    for name, entry in ck.objects.items():
-        try:
-            value = entry.value()
-        except CheckpointError:
-            value = None
-            skipped.append(name)
-            continue
-        if is_plain(value):
-            objects[name] = value
-        else:
-            skipped.append(name)
-    target = LocalDestination(destination, overwrite=True)
+    save.plan([p for ps in pieces for p in ps])
+    objects, skipped = _plain_objects(ck)
     if destination.exists():
         destination.rmdir()  # checked empty by the caller
-    target.join(target.prepare())
-    written = {}
+    save.join(save.prepare())
     try:
+        results = []
         for rank, mine in enumerate(pieces):
-            chosen = [p for p in mine if writers.get(p.key) == rank]
-            with target.open(rank_file(rank)) as f:
-                result = write_rank_file(f, rank, [
-                    (p, lambda p=p: blocks(TensorSpec(p.name, p.dtype, p.global_shape),
-                                           tuple(slice(o, o + n) for o, n in zip(p.offsets, p.shape))))
-                    for p in chosen])
-                f.flush()
-                os.fsync(f.fileno())
-            written[rank] = ([p.key for p in chosen], result)
-        manifest = build_manifest(everyone, writers, written, objects, len(coordinates),
-                                  {"converted_from": {"path": str(ck.path), "format": ck.format}})
-        if scheme is not None:
-            data_files = [(rank_file(r), written[r][1].size) for r in range(len(coordinates))]
-            extras = [("ok", write_extras(scheme, data_files, r, len(coordinates), target.read_range,
-                                             partial(store, target)))
-                      for r in range(len(coordinates))]
-            manifest = replace(manifest, redundancy=redundancy_record(scheme, manifest.files, extras))
-        target.commit(manifest.to_bytes())
+            chosen = save.written_by(rank, mine)
+            results.append(save.write_rank(rank, [
+                (p, partial(blocks, TensorSpec(p.name, p.dtype, p.global_shape),
+                            tuple(slice(o, o + n) for o, n in zip(p.offsets, p.shape))))
+                for p in chosen], {}))
+        sizes = [result.written.size for result in results]
+        extras = [save.write_redundancy(rank, sizes) for rank in range(len(results))]
+        manifest = save.commit(results, extras, objects)
     except BaseException:
-        shutil.rmtree(target.work, ignore_errors=True)
+        save.remove()
         raise
-    return ConvertResult(destination, sorted(manifest.files), len(specs), sum(r.size for _, r in written.values()),
-                         skipped_objects=skipped)
+    return ConvertResult(destination, sorted(manifest.files), len(specs), sum(sizes), skipped_objects=skipped)

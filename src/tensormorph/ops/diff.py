@@ -17,14 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
 from .. import dtypes
-from ..core import Checkpoint, LogicalTensor, split_box
+from ..core import Checkpoint, LogicalTensor
 from ..errors import CheckpointError
 from ..formats import opened
+from ..geometry import split_box
 
 DEFAULT_BLOCK_BYTES = 64 * 1024**2
 
@@ -199,12 +200,11 @@ def compare_tensors(name: str, a: LogicalTensor | None, b: LogicalTensor | None,
                     progress: Callable[[int], None] | None = None) -> TensorDiff:
     """Compare two logical tensors block by block (either may be missing)."""
     if a is None or b is None:
-        present = a or b
-        assert present is not None
-        return TensorDiff(name, "only_a" if b is None else "only_b", name_a=a and a.name, name_b=b and b.name,
-                          dtype_a=a and a.dtype, dtype_b=b and b.dtype, shape_a=a and a.shape,
-                          shape_b=b and b.shape)
-    base = dict(name_a=a.name, name_b=b.name, dtype_a=a.dtype, dtype_b=b.dtype, shape_a=a.shape, shape_b=b.shape)
+        if a is not None:
+            return TensorDiff(name, "only_a", name_a=a.name, dtype_a=a.dtype, shape_a=a.shape)
+        assert b is not None, "at least one side holds the tensor"
+        return TensorDiff(name, "only_b", name_b=b.name, dtype_b=b.dtype, shape_b=b.shape)
+    base = _Sides(name_a=a.name, name_b=b.name, dtype_a=a.dtype, dtype_b=b.dtype, shape_a=a.shape, shape_b=b.shape)
     if a.shape != b.shape:
         return TensorDiff(name, "shape_mismatch", **base)
     cast = cast if cast and dtypes.is_floating(a.dtype) else None  # a dtype conversion leaves integers alone
@@ -242,6 +242,17 @@ def compare_tensors(name: str, a: LogicalTensor | None, b: LogicalTensor | None,
     else:
         status = "different"
     return TensorDiff(name, status, **base, **figures)
+
+
+class _Sides(TypedDict):
+    """The TensorDiff fields that describe both tensors."""
+
+    name_a: str
+    name_b: str
+    dtype_a: str
+    dtype_b: str
+    shape_a: tuple[int, ...]
+    shape_b: tuple[int, ...]
 
 
 def _read(tensor: LogicalTensor, box: tuple[slice, ...], cast: np.dtype | None) -> np.ndarray:

@@ -10,16 +10,19 @@ the tensors they hold.
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import crc32c
-
 from ..errors import CheckpointError
-from ..formats import tensormorph as tm_format
 from ..storage import LocalFiles
+from ..tmformat.checkpoint import read_manifest, root_of
+from ..tmformat.checksums import RunningCrc
+from ..tmformat.integrity import file_problem
+from ..tmformat.manifest import FileRecord
+from ..tmformat.recovery import all_files, recover
 from .verify import VerifyReport, verify
 
 
@@ -41,12 +44,12 @@ class RepairReport:
 
 def repair(path: str | Path) -> RepairReport:
     """Rebuild every recoverable damaged file of the checkpoint at `path`, then verify it."""
-    root = tm_format.root_of(Path(path))
+    root = root_of(Path(path))
     files = LocalFiles(root)
-    manifest = tm_format.read_manifest(files, str(root))
+    manifest = read_manifest(files, str(root))
     report = RepairReport(str(root), manifest.redundancy.scheme if manifest.redundancy else None)
-    records = tm_format.all_files(manifest)
-    damaged = {name for name, record in records.items() if tm_format.file_problem(files, name, record) is not None}
+    records = all_files(manifest)
+    damaged = {name for name, record in records.items() if file_problem(files, name, record) is not None}
     intact = set(records) - damaged
 
     def read(name: str, begin: int, end: int) -> bytes:
@@ -55,7 +58,7 @@ def repair(path: str | Path) -> RepairReport:
     # data files first: parity is rebuilt from them
     for name in sorted(damaged, key=lambda n: (n not in manifest.files, n)):
         try:
-            _rewrite(files, name, records[name], tm_format.recover(manifest, name, intact, read))
+            _rewrite(files, name, records[name], recover(manifest, name, intact, read))
         except CheckpointError as exc:
             report.unrecoverable[name] = exc.reason
             continue
@@ -67,21 +70,24 @@ def repair(path: str | Path) -> RepairReport:
 
 
 def write_checked(path: Path, chunks: Iterable[bytes]) -> tuple[int, int]:
-    """Write a stream of byte strings to `path` durably; returns (size, CRC-32C) of what was written."""
-    value, size = 0, 0
-    with open(path, "wb") as f:
-        for chunk in chunks:
+    """Write a stream of byte strings to a new file `path` durably; returns (size, CRC-32C) of what was written.
+
+    The file must not exist, and a link at `path` is refused rather than followed: repairs write inside a
+    checkpoint folder, which anyone may have planted links in.
+    """
+    running = RunningCrc()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        for chunk in running.passing(chunks):
             f.write(chunk)
-            value = crc32c.crc32c(chunk, value)
-            size += len(chunk)
         f.flush()
         os.fsync(f.fileno())
-    return size, value
+    return running.size, running.value
 
 
-def _rewrite(files: LocalFiles, name: str, record: Any, chunks: Iterable[bytes]) -> None:
+def _rewrite(files: LocalFiles, name: str, record: FileRecord, chunks: Iterable[bytes]) -> None:
     final = files.resolve(name)
-    part = final.with_name(final.name + ".repair")
+    part = final.with_name(f".{final.name}.repair-{uuid.uuid4().hex[:12]}")
     size, value = write_checked(part, chunks)
     if (size, value) != (record.size, record.crc32c):
         part.unlink()

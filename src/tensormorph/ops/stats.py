@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..core import Chunk, LogicalTensor, MappedArray, split_box
+from ..core import Chunk, LogicalTensor, MappedArray
+from ..geometry import split_box
 
 DEFAULT_BLOCK_BYTES = 64 * 1024**2
 

@@ -131,7 +131,7 @@ def tile(view: View, r0: int, r1: int, c0: int, c1: int, h: int, w: int, *, exac
     if not (0 <= r0 < r1 <= H and 0 <= c0 < c1 <= W):
         raise CheckpointError(f"region rows [{r0}, {r1}) × columns [{c0}, {c1}) is empty or outside the "
                               f"{H} × {W} view", tensor=name)
-    if not (1 <= h and 1 <= w and h * w <= MAX_PIXELS):
+    if not (h >= 1 and w >= 1 and h * w <= MAX_PIXELS):
         raise CheckpointError(f"a tile of {h} × {w} pixels is outside [1, {MAX_PIXELS}] pixels", tensor=name)
     read = reader or view.read
     sy, sx = steps(r0, r1, c0, c1, h, w)

@@ -4,7 +4,7 @@ Opening a checkpoint already validates its headers, that every referenced
 file exists with enough bytes, and that chunks tile each tensor; a failure
 there is reported as the first problem. Formats that record checksums (the
 CRC-32 of each record of torch.save zips, DCP items included) are checked
-through the format module's optional `checksum_problems(checkpoint)`. With
+through the format reader's `checksum_problems(checkpoint)`. With
 full=True every byte is read, and tensors holding NaN or Inf are reported.
 """
 
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, UnsafePickleError
+from ..formats import open_checkpoint, reader_of
 from .stats import tensor_stats
 
 
@@ -52,9 +53,6 @@ def _problem(exc: CheckpointError) -> Problem:
 
 def verify(path: str | Path, *, full: bool = False, progress: Callable[[int], None] | None = None) -> VerifyReport:
     """Verify the checkpoint at `path`; problems are collected, not raised."""
-    from .. import open as open_checkpoint
-    from ..formats import readers
-
     report = VerifyReport(str(path), full=full)
     try:
         ck = open_checkpoint(path)
@@ -63,13 +61,10 @@ def verify(path: str | Path, *, full: bool = False, progress: Callable[[int], No
         return report
     with ck:
         report.format, report.tensors, report.files = ck.format, len(ck), len(ck.files)
-        reader = next(r for r in readers() if r.NAME == ck.format)
-        checksum_problems = getattr(reader, "checksum_problems", None)
-        if checksum_problems is not None:
-            for _item, exc in checksum_problems(ck):
-                report.checksums_checked += 1
-                if exc is not None:
-                    report.problems.append(_problem(exc))
+        for _item, problem in reader_of(ck).checksum_problems(ck):
+            report.checksums_checked += 1
+            if problem is not None:
+                report.problems.append(_problem(problem))
         if not full:
             return report
         for tensor in ck.values():

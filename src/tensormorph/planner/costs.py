@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .model import ModelSpec, TensorSpec, Unit
+from .modelspec import ModelSpec, TensorSpec, Unit
 from .result import DeviceUsage
 from .spec import ELEMENT_BYTES, Device, Workload
 

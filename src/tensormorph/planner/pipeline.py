@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .costs import activation_bytes, handoff_bytes, path_bandwidth, unit_cost
-from .model import ModelSpec
+from .modelspec import ModelSpec
 from .spec import Device, Workload
 
 _RELATIVE_TOLERANCE = 1e-6
@@ -75,9 +75,10 @@ class PipelineSolver:
         self.in_work, self.out_work = work(inputs), work(outputs)
         # activation headroom for each mix of input side / layers / output side on one device
         self.activations = {
-            (i, l, o): activation_bytes((inputs if i else []) + (layers[:1] if l else []) + (outputs if o else []),
-                                        spec, workload)
-            for i in (False, True) for l in (False, True) for o in (False, True)}
+            (has_in, has_layer, has_out): activation_bytes(
+                (inputs if has_in else []) + (layers[:1] if has_layer else []) + (outputs if has_out else []),
+                spec, workload)
+            for has_in in (False, True) for has_layer in (False, True) for has_out in (False, True)}
         self.items = 1 if decode else workload.prefill_passes
         # per item: one decode step, or one prefill chunk
         self.handoff = handoff_bytes(spec, workload)[0 if decode else 1] / self.items
@@ -129,8 +130,10 @@ class PipelineSolver:
                     + self.prefix_memory[b] - self.prefix_memory[a] + self.activations[held])
             if used > memory[d]:
                 return None
-            nbytes = self.prefix_bytes[b] - self.prefix_bytes[a] + self.in_work[0] * held[0] + self.out_work[0] * held[2]
-            flops = self.prefix_flops[b] - self.prefix_flops[a] + self.in_work[1] * held[0] + self.out_work[1] * held[2]
+            nbytes = (self.prefix_bytes[b] - self.prefix_bytes[a]
+                      + self.in_work[0] * held[0] + self.out_work[0] * held[2])
+            flops = (self.prefix_flops[b] - self.prefix_flops[a]
+                     + self.in_work[1] * held[0] + self.out_work[1] * held[2])
             stage = max(nbytes / (device.bandwidth * 1e9), flops / (device.tflops * 1e12)) / self.items
             if held[1]:
                 stage += self._recv(first if d == holders[0] else holders[holders.index(d) - 1], d)

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..core import Checkpoint
-from .spec import Device, PlanError, Workload
-
-if TYPE_CHECKING:
-    from .model import ModelSpec
+from ..units import human_bytes
+from .modelspec import ModelSpec
+from .runtime import load_plan
+from .spec import Device, PlanError, Workload, accelerate_device
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,6 @@ class Shortfall:
         return sum(self.over.values())
 
     def suggestions(self) -> list[str]:
-        from ..core import human_bytes
-
         out = []
         if self.max_context is not None:
             out.append(f"a context of at most {self.max_context:,} tokens")
@@ -215,18 +213,5 @@ class Plan:
         weights, adds accelerate's device hooks so it runs across devices, and returns it.
         `devices` maps plan device names to torch devices, as for `to_accelerate`.
         """
-        from .runtime import load_plan
-
         return load_plan(self, checkpoint, model, devices)
 
-
-def accelerate_device(device: Device, devices: Mapping[str, int | str] | None) -> int | str:
-    """How accelerate names a plan's device: cuda:N as N, other torch names as they are, others via `devices`."""
-    if devices and device.name in devices:
-        return devices[device.name]
-    if device.name.startswith("cuda:"):
-        return int(device.name.split(":")[1])
-    if device.is_torch_device:
-        return device.name
-    raise PlanError(f"device {device.name!r} is not a torch device name; map it, e.g. "
-                    f"to_accelerate({{'{device.name}': 0}})")

@@ -1,6 +1,7 @@
 """The torch side of a plan: stream a checkpoint onto the planned devices, and measure what a model holds.
 
-torch (and accelerate, to run a model split across devices) is imported only here, inside the functions.
+torch (and accelerate, to run a model split across devices) is imported only inside the functions: planning
+needs numpy alone, and `import tensormorph.planner` must not pull torch in.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ import numpy as np
 
 from ..core import Checkpoint
 from ..formats import opened
-from .result import accelerate_device
-from .spec import PlanError
+from .spec import PlanError, accelerate_device
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # for annotations only: result imports this module for Plan.load
     from .result import Plan
 
 _TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
@@ -89,7 +89,7 @@ def load_plan(plan: Plan, checkpoint: str | Path | Checkpoint, model: Any = None
                 _assign(model, name, value)
     if model is None:
         return loaded
-    _finish(model, plan, target, devices)
+    _finish(model, plan, plan.device_map, target, devices)
     return model
 
 
@@ -120,19 +120,21 @@ def _assign(model: Any, name: str, value: Any) -> None:
         raise PlanError(f"the model has no parameter or buffer {leaf!r} in {module_name!r}", tensor=name)
 
 
-def _finish(model: Any, plan: Plan, target: dict[str, Any], devices: Mapping[str, int | str] | None) -> None:
-    """Tie weights, place buffers the checkpoint lacks (rotary tables), and add accelerate's device hooks."""
+def _finish(model: Any, plan: Plan, device_map: dict[str, str], target: dict[str, Any],
+            devices: Mapping[str, int | str] | None) -> None:
+    """Tie weights, place buffers the checkpoint lacks (rotary tables), and add accelerate's device hooks.
+    `device_map` is the plan's (a pipeline plan always has one)."""
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise PlanError(f"{len(missing)} parameters are not in the checkpoint, e.g. {missing[0]}")
-    first_layer = target[plan.device_map[plan.model.layers[0].name]]
-    keys = sorted(plan.device_map, key=len, reverse=True)
+    first_layer = target[device_map[plan.model.layers[0].name]]
+    keys = sorted(device_map, key=len, reverse=True)
     for name, buffer in list(model.named_buffers()):
         module_name, _, leaf = name.rpartition(".")
         key = next((k for k in keys if module_name == k or module_name.startswith(k + ".")), None)
-        device = target[plan.device_map[key]] if key is not None else first_layer
+        device = target[device_map[key]] if key is not None else first_layer
         if buffer.is_meta:
             raise PlanError(f"buffer {name} is on the meta device and not in the checkpoint: build the model "
                             "with accelerate.init_empty_weights(), which keeps buffers real")

@@ -5,12 +5,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ..core import Checkpoint, human_bytes
+from ..core import Checkpoint
+from ..units import human_bytes
 from .costs import activation_bytes, evaluate_pipeline, evaluate_tensor, unit_cost
-from .model import ModelSpec, load_model
+from .model import load_model
+from .modelspec import ModelSpec
 from .pipeline import PipelineSolver
 from .result import Bottleneck, DeviceUsage, Plan, Shortfall
 from .spec import DEFAULT_LINK_GBPS, ELEMENT_BYTES, Device, PlanError, Workload, parse_device
@@ -97,6 +100,7 @@ def plan(source: str | Path | Checkpoint | Mapping[str, Any] | Any, devices: Seq
         if split is None:  # place it as close as it gets: the least memory added to every device
             extra = _least(lambda x: fits(workload, [m + x for m in memory]), _upper_bound(spec, devs, workload))
             split = solver(workload).best([m + extra for m in memory])
+            assert split is not None, "_least found memory with which a split fits"
         placement = solver(workload).placement(split)
         rows = evaluate_pipeline(spec, devs, workload, placement, links)
         mapping = {u.name: devs[d].name for u, d in zip(spec.units, placement)}
@@ -202,9 +206,11 @@ def _more_memory(spec: ModelSpec, devices: list[Device], workload: Workload, fit
         return {r.name: -r.free for r in evaluate(workload) if r.free < 0}
     memory = [d.memory for d in devices]
     high = _upper_bound(spec, devices, workload)
-    needs = {devices[k].name: _least(lambda x, k=k: fits(workload, [m + x * (i == k) for i, m in enumerate(memory)]),
-                                     high)
-             for k in range(len(devices))}
+
+    def fits_with_more(device: int, extra: int) -> bool:
+        return fits(workload, [m + extra * (i == device) for i, m in enumerate(memory)])
+
+    needs = {devices[k].name: _least(partial(fits_with_more, k), high) for k in range(len(devices))}
     name = min(needs, key=needs.__getitem__)
     return {name: needs[name]}
 

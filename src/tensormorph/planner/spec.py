@@ -11,23 +11,23 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
+from ..units import parse_size
 
 GiB = 1 << 30
 DEFAULT_GPU_RESERVE = GiB
 DEFAULT_LINK_GBPS = 32.0  # PCIe 4.0 x16, the common case in a home server
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(:\d+)?$")
-_SIZE = re.compile(r"^([+-]?\d+(?:\.\d*)?|[+-]?\.\d+)\s*([KMGT]i?B|B)$", re.IGNORECASE)
-_SIZE_UNITS = {"B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
-               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 _HOST_DEVICES = ("cpu", "disk", "meta")  # no CUDA context to reserve room for
 _TORCH_DEVICE = re.compile(r"^(cpu|mps|disk|meta|(cuda|xpu|npu|hpu|mlu|musa)(:\d+)?)$")
 
 # bytes per element, by the names users type; fractional for llama.cpp's block-quantised cache types
-ELEMENT_BYTES: dict[str, float] = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "q8_0": 34 / 32, "q4_0": 18 / 32}
+ELEMENT_BYTES: dict[str, float] = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1,
+                                   "q8_0": 34 / 32, "q4_0": 18 / 32}
 DTYPE_ALIASES = {"f32": "fp32", "float32": "fp32", "float": "fp32", "f16": "fp16", "float16": "fp16",
                  "half": "fp16", "bfloat16": "bf16", "f8": "fp8", "float8": "fp8", "f8_e4m3": "fp8",
                  "float8_e4m3fn": "fp8", "f64": "fp64", "float64": "fp64", "q8": "q8_0", "q4": "q4_0"}
@@ -39,15 +39,13 @@ class PlanError(CheckpointError):
     """A device spec, workload or model the planner cannot work with; the message names the problem."""
 
 
-def parse_size(text: str, what: str) -> int:
-    """'24GiB' -> 25769803776, '500MB' -> 500_000_000. A unit is required: a bare '24' is ambiguous."""
-    match = _SIZE.match(text.strip())
-    if not match:
-        raise PlanError(f"{what}: cannot read size {text!r}; write a number with a unit, e.g. 24GiB or 500MB")
-    value = float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()]
-    if not math.isfinite(value):
-        raise PlanError(f"{what}: size {text!r} is not a finite number")
-    return int(value)
+def _size(text: str, what: str) -> int:
+    """A size in a device spec. A unit is required: a bare '24' is ambiguous. A negative size is read, so that
+    the checks after it can say why it is wrong."""
+    try:
+        return parse_size(text, what, unit_required=True, signed=True)
+    except CheckpointError as exc:
+        raise PlanError(exc.reason) from None
 
 
 def dtype_name(text: str, *, what: str, allowed: tuple[str, ...] = tuple(ELEMENT_BYTES)) -> str:
@@ -104,6 +102,18 @@ class Device:
         return text
 
 
+def accelerate_device(device: Device, devices: Mapping[str, int | str] | None) -> int | str:
+    """How accelerate names a plan's device: cuda:N as N, other torch names as they are, others via `devices`."""
+    if devices and device.name in devices:
+        return devices[device.name]
+    if device.name.startswith("cuda:"):
+        return int(device.name.split(":")[1])
+    if device.is_torch_device:
+        return device.name
+    raise PlanError(f"device {device.name!r} is not a torch device name; map it, e.g. "
+                    f"to_accelerate({{'{device.name}': 0}})")
+
+
 def parse_device(spec: str) -> Device:
     """Parse `NAME=MEMORY,tflops=T,bw=B[,reserve=R][,link=L]` (e.g. `cuda:0=24GiB,tflops=165,bw=1000`)."""
     name, sep, rest = spec.strip().partition("=")
@@ -125,12 +135,12 @@ def parse_device(spec: str) -> Device:
         meaning = {"tflops": "tflops= (compute, TFLOP/s)", "bw": "bw= (memory bandwidth, GB/s)"}
         raise PlanError(f"device {name}: missing {' and '.join(meaning[k] for k in missing)}, "
                         f"e.g. {name}=24GiB,tflops=165,bw=1000")
-    memory = parse_size(memory_text, f"device {name} memory")
+    memory = _size(memory_text, f"device {name} memory")
     if memory <= 0:
         raise PlanError(f"device {name}: memory must be positive, got {memory_text}")
     return Device(name=name, memory=memory,
                   tflops=_number(fields["tflops"], name, "tflops"), bandwidth=_number(fields["bw"], name, "bw"),
-                  reserve=parse_size(fields["reserve"], f"device {name} reserve") if "reserve" in fields else None,
+                  reserve=_size(fields["reserve"], f"device {name} reserve") if "reserve" in fields else None,
                   link=_number(fields["link"], name, "link") if "link" in fields else None)
 
 

@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 
 from .costs import Share
-from .model import ModelSpec
+from .modelspec import ModelSpec
 from .spec import Device, PlanError, Workload
 
 

@@ -10,7 +10,7 @@ crash safety, retention and preemption.
 
 from __future__ import annotations
 
-from .checkpointer import CheckpointInfo, Checkpointer, SaveTiming
+from .checkpointer import Checkpointer, CheckpointInfo, SaveTiming
 from .sampler import ResumableSampler
 
 __all__ = ["CheckpointInfo", "Checkpointer", "ResumableSampler", "SaveTiming"]

@@ -18,6 +18,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sized
+from types import FrameType
 from typing import Any
 
 import torch
@@ -64,10 +65,11 @@ class _Pass:
         if not it._auto_collation:
             per_batch = 1
         else:
-            per_batch = getattr(it._index_sampler, "batch_size", None)
-            if not isinstance(per_batch, int):
+            batch_size = getattr(it._index_sampler, "batch_size", None)
+            if not isinstance(batch_size, int):
                 raise CheckpointError(f"the DataLoader's batch sampler {type(it._index_sampler).__name__} has no "
                                       "integer batch_size, so the samples consumed cannot be counted")
+            per_batch = batch_size
         total_batches = len(it._index_sampler)
         return min(self.handed, batches * per_batch), batches >= total_batches
 
@@ -76,7 +78,7 @@ def _loader_iterator() -> Any:
     """The torch DataLoader iterator asking for our indices, if one is (found on the call stack)."""
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(_FRAMES_TO_SEARCH):
         if frame is None:
             return None

@@ -90,7 +90,9 @@ def guard(loader: Any, signals: tuple[int, ...]) -> None:
         loader.worker_init_fn = _IgnoreSignals(signals, init)
     context = loader.multiprocessing_context
     if loader.num_workers > 0 and not isinstance(context, tuple(_CONTEXTS.values())):
-        method = context.get_start_method() if context is not None else (multiprocessing.get_start_method(allow_none=True)
-                                                                     or multiprocessing.get_all_start_methods()[0])
+        if context is not None:
+            method = context.get_start_method()
+        else:
+            method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
         if method in _CONTEXTS:
             loader.multiprocessing_context = _CONTEXTS[method]()

@@ -1,0 +1,58 @@
+"""What every command shares: the consoles, --json printing, progress bars, and errors as exit code 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+import click
+import numpy as np
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+from ..errors import CheckpointError
+
+# Piped output is not cut to 80 columns: long tensor names must survive grep and files.
+console = Console(width=None if sys.stdout.isatty() else 240)
+errors = Console(stderr=True)
+
+
+def fails_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Checkpoint errors become one line on stderr and exit code 2, never a traceback."""
+
+    @wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except CheckpointError as exc:
+            errors.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+def print_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=_json_default))
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, bytes):
+        return value.hex()
+    return repr(value)
+
+
+def byte_progress(label: str, total: int, *, enabled: bool) -> Progress:
+    """A transfer-style bar on stderr, shown only on a terminal."""
+    return Progress(TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                    console=errors, transient=True, disable=not enabled or not errors.is_terminal)
+
+
+def number(value: float | None) -> str:
+    """A statistic in a table cell: six significant digits, a dash when there is none."""
+    return "—" if value is None else f"{value:.6g}"

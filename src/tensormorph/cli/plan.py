@@ -1,0 +1,97 @@
+"""`plan`: thin over `tensormorph.planner.plan` (parse, plan, print)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+from rich.markup import escape
+from rich.table import Table
+
+from ..planner import DeviceUsage, Plan, Workload, plan
+from ..units import human_bytes
+from .output import console, fails_cleanly, print_json
+
+
+@click.command("plan")
+@click.argument("source", type=click.Path(exists=True))
+@click.option("--device", "devices", multiple=True, required=True, metavar="SPEC",
+              help="NAME=MEMORY,tflops=T,bw=GBPS[,reserve=SIZE][,link=GBPS], in pipeline order; repeat per device.")
+@click.option("--link", type=float, help="GB/s between neighbouring devices  [default: 32]")
+@click.option("--context", type=int, default=4096, show_default=True, help="Tokens per sequence.")
+@click.option("--batch", type=int, default=1, show_default=True, help="Sequences at once.")
+@click.option("--strategy", type=click.Choice(["pipeline", "tensor"]), default="pipeline", show_default=True)
+@click.option("--dtype", help="Weights and activations: bf16, fp16, fp32, fp8  [default: as stored]")
+@click.option("--cache-dtype", help="KV cache: bf16, fp16, fp8, q8_0, q4_0  [default: the activations' dtype]")
+@click.option("--prefill-chunk", type=int, help="Tokens per prefill pass  [default: the whole context]")
+@click.option("--optimize", type=click.Choice(["decode", "prefill"]), default="decode", show_default=True,
+              help="The phase to make fastest.")
+@click.option("--uneven", is_flag=True, help="Tensor parallel: split by device speed (runtimes that allow it).")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@fails_cleanly
+def plan_command(source: str, devices: tuple[str, ...], link: float | None, context: int, batch: int, strategy: str,
+                 dtype: str | None, cache_dtype: str | None, prefill_chunk: int | None, optimize: str, uneven: bool,
+                 as_json: bool) -> None:
+    """Place a model on uneven devices: memory per device (weights, KV cache, activations, reserve),
+    predicted speed per stage, and the bottleneck (exit 0 fits, 1 does not fit, 2 error)."""
+    workload = Workload(context=context, batch=batch, dtype=dtype, cache_dtype=cache_dtype,
+                        prefill_chunk=prefill_chunk, optimize=optimize)
+    result = plan(source, list(devices), workload, strategy, link=link, uneven=uneven)
+    if as_json:
+        print_json(result.to_dict())
+    else:
+        for line in render(result):
+            console.print(line, highlight=False)
+    sys.exit(0 if result.fits else 1)
+
+
+def render(p: Plan) -> list[Any]:
+    """The plan as rich renderables: a header, the per-device table, totals, bottleneck, shortfall, notes."""
+    m, w = p.model, p.workload
+    cache = w.cache_dtype or m.act_dtype
+    header = (f"[bold]{escape(m.name)}[/bold]  {m.params / 1e9:.2f} B params, {human_bytes(m.nbytes)} in {m.dtype}, "
+              f"{m.arch.layers} layers  ·  context {w.context:,} × batch {w.batch}, KV cache {cache}  ·  "
+              f"{p.strategy}, optimised for {w.optimize}")
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for column in ("device", "layers" if p.strategy == "pipeline" else "share", "weights", "KV cache",
+                   "activations", "reserve", "used / memory", "free", "decode tok/s", "prefill tok/s"):
+        table.add_column(column, justify="left" if column in ("device", "layers", "share") else "right")
+    for row in p.devices:
+        table.add_row(row.name, escape(_holds(row)), human_bytes(row.weights), human_bytes(row.kv_cache),
+                      human_bytes(row.activations), human_bytes(row.reserve),
+                      f"{human_bytes(row.used)} / {human_bytes(row.device.memory)}",
+                      human_bytes(row.free) if row.fits else f"[red]{human_bytes(row.free)}[/red]",
+                      _rate(w.batch, row.decode_stage_s), _rate(w.batch * w.context, row.prefill_stage_s))
+    lines: list[Any] = [header, table]
+    links = ", ".join(f"{g:g}" for g in p.links)
+    lines.append(f"overall: decode [bold]{p.decode_tokens_per_s:,.1f} tok/s[/bold] "
+                 f"({p.decode_step_s * 1e3:,.2f} ms per step), "
+                 f"prefill [bold]{p.prefill_tokens_per_s:,.0f} tok/s[/bold] "
+                 f"({p.prefill_time_s:,.2f} s for {w.batch}×{w.context:,} tokens)"
+                 + (f"; links {links} GB/s" if p.links else ""))
+    lines.append(f"bottleneck ({p.bottleneck.limit}): {escape(p.bottleneck.reason)}")
+    if p.shortfall is not None:
+        over = ", ".join(f"{name} over by {human_bytes(n)}" for name, n in p.shortfall.over.items())
+        lines.append(f"[red]does not fit:[/red] {escape(over)}")
+        suggestions = p.shortfall.suggestions()
+        if suggestions:
+            lines.append("would fit with: " + escape(" · ".join(suggestions)))
+    else:
+        lines.append("[green]fits[/green]")
+    lines.extend(f"[dim]note: {escape(n)}[/dim]" for n in p.notes)
+    return lines
+
+
+def _holds(row: DeviceUsage) -> str:
+    if row.share is not None:
+        return f"{row.share['heads']} heads, {row.share['mlp']:.0%} MLP"
+    extras = [u for u in row.units if not u.split(".")[-1].isdigit()]
+    text = row.layer_ranges
+    if extras:
+        text += (" + " if text else "") + ", ".join(u.rsplit(".", 1)[-1] for u in extras)
+    return text or "—"
+
+
+def _rate(tokens: int, seconds: float) -> str:
+    return f"{tokens / seconds:,.0f}" if seconds > 0 else "—"

@@ -1,0 +1,190 @@
+"""`tensormorph.load`: fill a state dict in place from any checkpoint the library reads, resharding as needed.
+
+Each rank reads only the bytes of the boxes it holds: from a Tensormorph checkpoint through the checked
+BoxReader (local or remote), from any other format through its logical tensors' region reads.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import dtypes
+from ..core import Checkpoint
+from ..errors import StateMismatchError, UncommittedCheckpointError
+from ..formats import open_checkpoint
+from ..geometry import Box
+from ..storage import LocalFiles, RemoteFiles, is_url
+from ..tmformat.checkpoint import is_checkpoint_folder, read_manifest, root_of
+from ..tmformat.manifest import MANIFEST, MAX_MANIFEST_BYTES, parse
+from ..tmformat.reader import BoxReader
+from ..torch_arrays import as_numpy, to_torch, vocabulary
+from .state import Leaves, dtensor_types, flatten, local_box
+
+READ_THREADS = 8
+
+
+@dataclass
+class LoadReport:
+    path: str
+    format: str
+    missing: list[str] = field(default_factory=list)  # in the state dict, not in the checkpoint
+    unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the state dict
+    mismatched: list[str] = field(default_factory=list)  # "name: why"
+    tensors_loaded: int = 0
+    bytes_needed: int = 0  # bytes of the boxes this rank holds
+    bytes_read: int = 0  # bytes this rank read from the checkpoint's data files
+    blocks_verified: int = 0  # checksum blocks (64 KiB) checked on the way
+    seconds: float = 0.0
+
+
+def _open_source(path: str | os.PathLike[str], storage_options: dict[str, Any] | None,
+                 verify: bool) -> tuple[BoxReader | Checkpoint, str]:
+    """A BoxReader for the Tensormorph format (local or remote), else a Checkpoint of any other format."""
+    if is_url(path):
+        remote = RemoteFiles(os.fspath(path), storage_options)
+        if not remote.exists(MANIFEST):
+            raise UncommittedCheckpointError(
+                "holds no manifest: not a committed Tensormorph checkpoint", file=remote.url)
+        manifest = parse(remote.read_all(MANIFEST, MAX_MANIFEST_BYTES), remote.describe(MANIFEST))
+        return BoxReader(manifest, remote, remote.url, verify=verify), "tensormorph"
+    local = Path(os.fspath(path).removeprefix("file://"))
+    if is_checkpoint_folder(local):
+        root = root_of(local)
+        files = LocalFiles(root)
+        manifest = read_manifest(files, str(root))
+        return BoxReader(manifest, files, str(root), verify=verify), "tensormorph"
+    checkpoint = open_checkpoint(local)
+    return checkpoint, checkpoint.format
+
+
+def load(path: str | os.PathLike, state_dict: dict[str, Any], *, strict: bool = True, verify: bool = True,
+         cast: bool = False, process_group: Any = None, storage_options: dict[str, Any] | None = None) -> LoadReport:
+    """Fill `state_dict` in place from any checkpoint the library reads, resharding as needed.
+
+    Tensors are filled in place; each DTensor's local shard is read from exactly the bytes that hold
+    its box, whatever mesh and world size saved it. Plain values are replaced in their containers.
+    Strict: missing or unexpected keys and shape or dtype mismatches raise one StateMismatchError
+    listing every offender; with strict=False they are skipped and listed in the report. dtypes are
+    converted only with cast=True. With verify, block checksums of the Tensormorph format are checked.
+    """
+    del process_group  # loading needs no collectives: every rank reads its own boxes
+    started = time.perf_counter()
+    leaves = flatten(state_dict)
+    source, format_name = _open_source(path, storage_options, verify)
+    report = LoadReport(os.fspath(path), format_name)
+    try:
+        objects: dict[str, Any]  # plain values from a manifest, loaders from other formats
+        if isinstance(source, BoxReader):
+            stored = {n: (r.dtype, r.shape) for n, r in source.manifest.tensors.items()}
+            objects = source.manifest.objects
+        else:
+            stored = {n: (t.dtype, t.shape) for n, t in source.tensors.items()}
+            objects = _regroup({n: o.value for n, o in source.objects.items()}, leaves.objects)
+        work = _match(leaves, stored, objects, report, cast)
+        if (report.missing or report.unexpected or report.mismatched) and strict:
+            raise StateMismatchError(_mismatch_message(report), file=os.fspath(path), missing=report.missing,
+                                     unexpected=report.unexpected, mismatched=report.mismatched)
+        dtensor = dtensor_types()
+        jobs = []
+        for name in work:
+            box, local, _facts = local_box(name, leaves.tensors[name], dtensor)
+            jobs.append((name, box, local))
+            report.bytes_needed += int(np.prod(box[1])) * dtypes.itemsize(stored[name][0])
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            for _ in pool.map(lambda job: _fill(job, stored[job[0]][0], source), jobs):
+                report.tensors_loaded += 1
+        for name, (container, key) in leaves.slots.items():
+            if name in objects and not isinstance(container, tuple):
+                value = objects[name]
+                container[key] = value if isinstance(source, BoxReader) else value()
+        if isinstance(source, BoxReader):
+            report.bytes_read, report.blocks_verified = source.bytes_read, source.blocks_verified
+        else:
+            report.bytes_read = report.bytes_needed
+    finally:
+        source.close()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _regroup(loaders: dict[str, Callable[[], Any]], wanted: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """Other formats (DCP) flatten nested plain values into dotted names; gather them back into one dict
+    for each name the state dict holds whole ("config" from "config.lr", "config.betas", ...)."""
+    grouped = dict(loaders)
+    for name in wanted:
+        if name in loaders:
+            continue
+        parts = {n[len(name) + 1:]: grouped.pop(n) for n in list(grouped) if n.startswith(name + ".")}
+        if parts:
+            def nested(parts: dict[str, Callable[[], Any]] = parts) -> dict[str, Any]:
+                out: dict[str, Any] = {}
+                for path, load in parts.items():
+                    *outer, last = path.split(".")
+                    node = out
+                    for key in outer:
+                        node = node.setdefault(key, {})
+                    node[last] = load()
+                return out
+            grouped[name] = nested
+    return grouped
+
+
+def _match(leaves: Leaves, stored: dict[str, tuple[str, tuple[int, ...]]], objects: dict[str, Any],
+           report: LoadReport, cast: bool) -> list[str]:
+    """The tensors to load; fills the report's missing / unexpected / mismatched lists."""
+    work = []
+    for name, tensor in leaves.tensors.items():
+        if name not in stored:
+            report.missing.append(name)
+            continue
+        dtype, shape = stored[name]
+        if tuple(tensor.shape) != tuple(shape):
+            report.mismatched.append(f"{name}: shape {list(shape)} in the checkpoint, {list(tensor.shape)} in the "
+                                     "state dict")
+        elif vocabulary(tensor.dtype) != dtype and not cast:
+            report.mismatched.append(f"{name}: dtype {dtype} in the checkpoint, {vocabulary(tensor.dtype)} in the "
+                                     "state dict (pass cast=True to convert)")
+        else:
+            work.append(name)
+    report.missing += [name for name in leaves.objects if name not in objects]
+    report.mismatched += [f"{name}: a plain value inside a tuple cannot be replaced in place (use a list)"
+                          for name, (container, _) in leaves.slots.items()
+                          if name in objects and isinstance(container, tuple)]
+    report.unexpected += [name for name in stored if name not in leaves.tensors]
+    report.unexpected += [name for name in objects if name not in leaves.objects]
+    return work
+
+
+def _mismatch_message(report: LoadReport) -> str:
+    parts = []
+    for label, names in (("missing from the checkpoint", report.missing),
+                         ("not in the state dict", report.unexpected), ("mismatched", report.mismatched)):
+        if names:
+            shown = ", ".join(names[:20]) + (f" ... and {len(names) - 20} more" if len(names) > 20 else "")
+            parts.append(f"{len(names)} {label}: {shown}")
+    return "state dict and checkpoint disagree; " + "; ".join(parts) + " (strict=False loads what matches)"
+
+
+def _fill(job: tuple[str, Box, torch.Tensor], stored_dtype: str, source: BoxReader | Checkpoint) -> None:
+    """Read one box into its local tensor: in place when the tensor's memory can take the bytes directly."""
+    name, box, local = job
+    if isinstance(source, Checkpoint):
+        index = tuple(slice(o, o + n) for o, n in zip(*box))
+        data = source[name].read(index, budget=max(1, int(np.prod(box[1])) * dtypes.itemsize(stored_dtype)))
+    elif local.device.type == "cpu" and local.is_contiguous() and vocabulary(local.dtype) == stored_dtype:
+        source.read_box(name, box, as_numpy(local.detach(), stored_dtype))
+        return
+    else:
+        data = np.empty(box[1], dtypes.numpy_dtype(stored_dtype))
+        source.read_box(name, box, data)
+    with torch.no_grad():
+        local.copy_(to_torch(data, stored_dtype))

@@ -1,0 +1,104 @@
+"""`tensormorph.save`: every rank writes the boxes it was chosen for, in parallel; rank 0 commits.
+
+All collective steps go through `Collective`, so a failure on any rank reaches every rank and none is
+left waiting: a failed save raises the same CheckpointError everywhere and commits nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointError
+from ..tmformat.manifest import decode_value, encode_value
+from ..tmformat.writer import Blocks, Piece, RankResult, SaveTransaction
+from ..torch_arrays import as_numpy, cpu_contiguous, vocabulary
+from .collective import Collective, failures
+from .state import dtensor_types, flatten, local_box
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    path: str
+    rank: int
+    world_size: int
+    bytes_written: int  # by this rank
+    seconds: float
+
+
+def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: Any = None,
+         overwrite: bool = False, storage_options: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
+         redundancy: str | None = None) -> SaveReport:
+    """Save a (nested) state dict of tensors, DTensors and plain values as a Tensormorph checkpoint.
+
+    Call it on every rank. Each distinct box is written once, by the least-loaded rank holding it;
+    the checkpoint appears under `path` only after every rank's file is durable and the manifest is
+    committed. `path` may be a local folder or an fsspec URL (s3://bucket/prefix ...).
+    `redundancy="rs(4,2)"` adds Reed-Solomon parity over stripes of 4 rank files (any 2 of each 6
+    may be lost); `"replicate:2"` stores a second copy of each rank's file, written by a peer rank.
+    """
+    started = time.perf_counter()
+    group = Collective(process_group)
+    save = SaveTransaction(path, overwrite=overwrite, storage_options=storage_options, redundancy=redundancy,
+                           extra=extra)
+    leaves = flatten(state_dict)
+    dtensor = dtensor_types()
+    pieces, local_data = [], {}
+    for name, tensor in leaves.tensors.items():
+        box, local, facts = local_box(name, tensor, dtensor)
+        pieces.append(Piece(name, vocabulary(tensor.dtype), tuple(tensor.shape), box[0], box[1], group.rank, **facts))
+        local_data[name] = local
+    everyone = [p for ps in group.gather(pieces) for p in ps]
+
+    # rank 0 plans and prepares the destination; the others learn its token, or its error
+    def prepare() -> str:
+        save.plan(everyone)
+        return save.prepare()
+
+    token = group.decide(prepare, "save failed before writing", path)
+    if group.rank != 0:
+        save.plan(everyone)  # the same inputs as rank 0's, which succeeded
+    save.join(token)
+
+    def write() -> RankResult:
+        # plain values are checked here, on their own rank, so a bad one fails every rank cleanly
+        objects = {name: encode_value(value, name) for name, value in leaves.objects.items()}
+        mine = save.written_by(group.rank, pieces)
+        return save.write_rank(group.rank, [(p, _blocks(local_data[p.name], p.dtype)) for p in mine], objects)
+
+    results = group.everyone(write, label=f"rank {group.rank}: ")
+    errors = failures(results)
+    extras = []
+    if save.scheme is not None and not errors:
+        sizes = [r.unwrap().written.size for r in results]
+        extras = group.everyone(lambda: save.write_redundancy(group.rank, sizes),
+                                label=f"rank {group.rank} writing redundancy: ")
+        errors += failures(extras)
+
+    def commit() -> None:
+        if errors:
+            raise CheckpointError("; ".join(errors))
+        merged: dict[str, Any] = {}
+        for result in reversed(results):  # the lowest rank's value wins for names several ranks hold
+            merged.update({name: decode_value(value) for name, value in result.unwrap().objects.items()})
+        save.commit([r.unwrap() for r in results], [e.unwrap() for e in extras], merged)
+
+    try:
+        group.decide(commit, "save did not commit", path)
+    except CheckpointError:
+        save.abort()
+        raise
+    written = results[group.rank].unwrap().written.size
+    return SaveReport(save.target.describe(), group.rank, group.world, written, time.perf_counter() - started)
+
+
+def _blocks(tensor: torch.Tensor, dtype: str) -> Blocks:
+    def blocks() -> Iterable[np.ndarray]:
+        yield as_numpy(cpu_contiguous(tensor), dtype).reshape(-1)
+    return blocks

@@ -1,0 +1,218 @@
+"""A checkpoint folder on a local file system: pread for exact reads, memory maps for lazy ones.
+
+Every path a format names goes through `resolve`, which refuses absolute paths, `..` and symlinks
+that leave the checkpoint's folder, so no checkpoint can make us read another file.
+"""
+
+from __future__ import annotations
+
+import builtins  # `list` names a method of the stores: their annotations say builtins.list
+import contextlib
+import json
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from ..errors import HeaderError, MissingFileError, TruncatedFileError, UnsafePathError
+
+_EMPTY = memoryview(b"")
+ADVICE_PIECE = 8 * 1024**2
+READ_PIECE = 64 * 1024**2
+
+
+def pread_into(fd: int, offset: int, target: memoryview, where: str) -> None:
+    """Fill `target` from an open file at `offset`, in large pieces; TruncatedFileError when it ends first."""
+    done = 0
+    while done < len(target):
+        count = os.preadv(fd, [target[done:done + READ_PIECE]], offset + done)
+        if count == 0:
+            raise TruncatedFileError(f"expected {len(target)} bytes at offset {offset}, the file ends after {done}",
+                                     file=where)
+        done += count
+
+
+class LocalFiles:
+    """The files of one checkpoint folder, opened read-only and mapped on demand."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root).resolve()
+        self._maps: dict[Path, mmap.mmap | None] = {}
+        self._resolved: dict[str, Path] = {}
+        self._fds: dict[Path, int] = {}  # kept open: region reads issue thousands of preads per file
+        self._lock = threading.Lock()
+        self.header_bytes_read = 0
+
+    def resolve(self, name: str | os.PathLike, *, referrer: str | None = None) -> Path:
+        """The absolute path of `name`, which must stay inside the root folder."""
+        text = os.fspath(name)
+        known = self._resolved.get(text)
+        if known is not None:
+            return known
+        pure = PurePosixPath(text.replace("\\", "/"))
+        who = referrer or str(self.root)
+        if not text or "\x00" in text or pure.is_absolute() or ".." in pure.parts or text.startswith("~"):
+            raise UnsafePathError(f"names file {text!r}, which is outside the checkpoint folder", file=who)
+        candidate = self.root.joinpath(*pure.parts)
+        real = candidate.resolve()
+        if real != self.root and self.root not in real.parents:
+            raise UnsafePathError(
+                f"names file {text!r}, a link that resolves outside the checkpoint folder to {real}", file=who
+            )
+        self._resolved[text] = real
+        return real
+
+    def describe(self, name: str) -> str:
+        return str(self.resolve(name))
+
+    def exists(self, name: str) -> bool:
+        return self.resolve(name).is_file()
+
+    def list(self) -> list[str]:
+        """Every regular file under the root (links included only when they stay inside it)."""
+        names = []
+        for path in self.root.rglob("*"):
+            name = path.relative_to(self.root).as_posix()
+            try:
+                if self.resolve(name).is_file():
+                    names.append(name)
+            except UnsafePathError:
+                continue
+        return sorted(names)
+
+    def size(self, name: str) -> int:
+        path = self.resolve(name)
+        try:
+            return path.stat().st_size
+        except FileNotFoundError:
+            raise MissingFileError("file is missing", file=str(path)) from None
+
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        """Read exactly `length` bytes (headers, indexes): counted in header_bytes_read."""
+        path = self.resolve(name)
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read(length)
+        except FileNotFoundError:
+            raise MissingFileError("file is missing", file=str(path)) from None
+        return self._counted(data, length, offset, path)
+
+    def read_prefixed(self, name: str, max_length: int) -> tuple[int, int, bytes]:
+        """(file size, length, the `length` bytes after an 8-byte little-endian length) in one open.
+
+        The header layout of safetensors; `length` above `max_length` is returned without reading.
+        """
+        path = self.resolve(name)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                prefix = self._counted(f.read(8), 8, 0, path) if size >= 8 else b""
+                length = int.from_bytes(prefix, "little") if prefix else -1
+                if prefix and length <= min(max_length, size - 8):
+                    return size, length, self._counted(f.read(length), length, 8, path)
+                return size, length, b""
+        except FileNotFoundError:
+            raise MissingFileError("file is missing", file=str(path)) from None
+
+    def read_json(self, name: str, max_bytes: int, what: str = "file") -> Any:
+        """A small JSON file (an index, a config), size-capped and parsed; problems are HeaderErrors."""
+        path = str(self.resolve(name))
+        size = self.size(name)
+        if size > max_bytes:
+            raise HeaderError(f"{what} is {size} bytes, over the {max_bytes}-byte limit", file=path)
+        try:
+            return json.loads(self.read(name, 0, size).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise HeaderError(f"{what} is not valid UTF-8 JSON: {exc}", file=path) from None
+
+    def read_into(self, name: str, offset: int, target: memoryview) -> None:
+        """Fill `target` with the file's bytes from `offset` (pread in large pieces, no page mapping)."""
+        pread_into(self._fd(name), offset, target, self.describe(name))
+
+    def read_runs(self, name: str, runs: Sequence[tuple[int, int]], target: memoryview) -> None:
+        fd, where, position = self._fd(name), self.describe(name), 0
+        for begin, end in runs:
+            pread_into(fd, begin, target[position:position + end - begin], where)
+            position += end - begin
+
+    def read_ranges(self, name: str, runs: Sequence[tuple[int, int]]) -> builtins.list[bytes]:
+        out = []
+        for begin, end in runs:
+            buffer = bytearray(end - begin)
+            self.read_into(name, begin, memoryview(buffer))
+            out.append(bytes(buffer))
+        return out
+
+    def _fd(self, name: str) -> int:
+        path = self.resolve(name)
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    raise MissingFileError("file is missing", file=str(path)) from None
+                self._fds[path] = fd
+            return fd
+
+    def _counted(self, data: bytes, length: int, offset: int, path: Path) -> bytes:
+        if len(data) != length:
+            raise TruncatedFileError(
+                f"expected {length} bytes at offset {offset}, the file ends after {len(data)}", file=str(path)
+            )
+        self.header_bytes_read += length
+        return data
+
+    def buffer(self, name: str) -> memoryview:
+        """A read-only memory map of the whole file (pages are read only when touched)."""
+        path = self.resolve(name)
+        with self._lock:
+            if path not in self._maps:
+                try:
+                    with open(path, "rb") as f:
+                        size = os.fstat(f.fileno()).st_size
+                        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+                        if mapped is not None:
+                            # no readahead around each fault: region reads then touch only what they need,
+                            # and reads say what they need through advise()
+                            mapped.madvise(mmap.MADV_RANDOM)
+                        self._maps[path] = mapped
+                except FileNotFoundError:
+                    raise MissingFileError("file is missing", file=str(path)) from None
+            mapped = self._maps[path]
+        return memoryview(mapped) if mapped is not None else _EMPTY
+
+    def advise(self, name: str, runs: builtins.list[tuple[int, int]], advice: str) -> None:
+        """madvise byte ranges of a mapped file: "willneed" prefetches them, "dontneed" drops them from our RSS."""
+        if not runs:
+            return
+        self.buffer(name)  # map it now: advice given before the first read must not be lost
+        mapped = self._maps.get(self.resolve(name))
+        if mapped is None:
+            return
+        flag = {"willneed": mmap.MADV_WILLNEED, "dontneed": mmap.MADV_DONTNEED}[advice]
+        # the kernel acts on at most about one readahead window per WILLNEED call: ask in pieces
+        piece = ADVICE_PIECE if advice == "willneed" else None
+        size = len(mapped)
+        for begin, end in runs:
+            start = begin - begin % mmap.PAGESIZE
+            end = min(end, size)
+            while end > start:
+                length = end - start if piece is None else min(piece, end - start)
+                mapped.madvise(flag, start, length)
+                start += length
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            for mapped in self._maps.values():
+                if mapped is not None:
+                    # numpy views still point into the map (BufferError); it closes when they are freed.
+                    with contextlib.suppress(BufferError):
+                        mapped.close()
+            self._maps.clear()

@@ -1,0 +1,109 @@
+"""A checkpoint under an fsspec prefix (s3://, gs://, memory://, ...): ranged requests, nothing mapped."""
+
+from __future__ import annotations
+
+import builtins  # `list` names a method of the stores: their annotations say builtins.list
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import HeaderError, MissingFileError, TruncatedFileError, UnsafePathError
+
+REMOTE_GAP = 4096  # runs closer than this are fetched in one request: a request costs more than the gap
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+    return "://" in os.fspath(path) and not os.fspath(path).startswith("file://")
+
+
+class RemoteFiles:
+    """Read-only files under an fsspec prefix, read in coalesced, concurrent ranged requests."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
+        import fsspec  # an optional dependency (the `s3` extra): only remote checkpoints need it
+
+        self.url = url.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.bytes_read = 0
+        self.header_bytes_read = 0
+
+    def _key(self, name: str) -> str:
+        if not name or name.startswith("/") or ".." in name.split("/") or "\x00" in name:
+            raise UnsafePathError(f"names file {name!r}, which is outside the checkpoint", file=self.url)
+        return f"{self.root}/{name}"
+
+    def describe(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def exists(self, name: str) -> bool:
+        return bool(self.fs.exists(self._key(name)))
+
+    def size(self, name: str) -> int:
+        try:
+            return int(self.fs.size(self._key(name)))
+        except FileNotFoundError:
+            raise MissingFileError("file is missing", file=self.describe(name)) from None
+
+    def list(self) -> list[str]:
+        prefix = f"{self.root}/"
+        return sorted(path[len(prefix):] for path in self.fs.find(self.root) if path.startswith(prefix))
+
+    def read_all(self, name: str, max_bytes: int) -> bytes:
+        """A whole (small) file; HeaderError when it is larger than `max_bytes`."""
+        size = self.size(name)
+        if size > max_bytes:
+            raise HeaderError(f"is {size} bytes, over the {max_bytes}-byte limit", file=self.describe(name))
+        data = self.read(name, 0, size)
+        return data
+
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        data = self.read_ranges(name, [(offset, offset + length)])[0]
+        self.header_bytes_read += length
+        return data
+
+    def read_json(self, name: str, max_bytes: int, what: str = "file") -> Any:
+        size = self.size(name)
+        if size > max_bytes:
+            raise HeaderError(f"{what} is {size} bytes, over the {max_bytes}-byte limit", file=self.describe(name))
+        try:
+            return json.loads(self.read(name, 0, size).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise HeaderError(f"{what} is not valid UTF-8 JSON: {exc}", file=self.describe(name)) from None
+
+    def read_into(self, name: str, offset: int, target: memoryview) -> None:
+        target[:] = self.read_ranges(name, [(offset, offset + len(target))])[0]
+
+    def read_runs(self, name: str, runs: Sequence[tuple[int, int]], target: memoryview) -> None:
+        groups: list[list[tuple[int, int]]] = []
+        for begin, end in runs:
+            if groups and 0 <= begin - groups[-1][-1][1] <= REMOTE_GAP:
+                groups[-1].append((begin, end))
+            else:
+                groups.append([(begin, end)])
+        parts = self.read_ranges(name, [(g[0][0], g[-1][1]) for g in groups])
+        position = 0
+        for group, part in zip(groups, parts):
+            first = group[0][0]
+            for begin, end in group:
+                target[position:position + end - begin] = part[begin - first:end - first]
+                position += end - begin
+
+    def read_ranges(self, name: str, runs: Sequence[tuple[int, int]]) -> builtins.list[bytes]:
+        """The bytes of each [begin, end) range of one file, fetched concurrently."""
+        if not runs:
+            return []
+        key = self._key(name)
+        try:
+            parts = self.fs.cat_ranges([key] * len(runs), [b for b, _ in runs], [e for _, e in runs], on_error="raise")
+        except FileNotFoundError:
+            raise MissingFileError("file is missing", file=self.describe(name)) from None
+        for (begin, end), part in zip(runs, parts):
+            if len(part) != end - begin:
+                raise TruncatedFileError(f"expected {end - begin} bytes at offset {begin}, got {len(part)}",
+                                         file=self.describe(name))
+        self.bytes_read += sum(len(p) for p in parts)
+        return list(parts)
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,120 @@
+"""CRC-32C of the Tensormorph format, computed while bytes go out and verified as they come in.
+
+Writing: `RunningCrc` follows a whole file, `BlockCrcs` the CHECKSUM_BLOCK-sized blocks of one chunk.
+Reading: `verify_blocks` is the one verifier of chunk blocks, used by `tm.open` region reads and by
+`tm.load` alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import crc32c
+import numpy as np
+
+from ..errors import CheckpointError
+
+CHECKSUM_BLOCK = 64 * 1024  # checksums cover 64 KiB blocks of each chunk: a partial read is verified by
+# reading at most the rest of the blocks it touches
+
+
+class RunningCrc:
+    """Size and CRC-32C of a byte stream, updated as it is written."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.value = 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        self.value = crc32c.crc32c(data, self.value)
+        self.size += len(data)
+
+    def passing(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
+        """`chunks` unchanged, counted on their way through."""
+        for chunk in chunks:
+            self.update(chunk)
+            yield chunk
+
+
+class BlockCrcs:
+    """The CRC-32C of every `block`-byte block of one chunk, fed in pieces of any size."""
+
+    def __init__(self, block: int = CHECKSUM_BLOCK):
+        self.block = block
+        self.values: list[int] = []
+        self._current = 0
+        self._filled = 0
+
+    def update(self, data: memoryview) -> None:
+        done = 0
+        while done < len(data):
+            take = min(len(data) - done, self.block - self._filled)
+            self._current = crc32c.crc32c(data[done:done + take], self._current)
+            done += take
+            self._filled += take
+            if self._filled == self.block:
+                self.values.append(self._current)
+                self._current, self._filled = 0, 0
+
+    def finish(self) -> list[int]:
+        if self._filled:
+            self.values.append(self._current)
+            self._current, self._filled = 0, 0
+        return self.values
+
+
+Run = tuple[int, int]
+
+
+def verify_blocks(crcs: np.ndarray, nbytes: int, runs: Sequence[Run], held: memoryview | None,
+                  read_gaps: Callable[[list[Run]], Sequence[bytes | memoryview]],
+                  mismatch: Callable[[int, int, int, int], CheckpointError],
+                  skip: set[int] | None = None) -> tuple[list[int], int]:
+    """Check the CRC-32C of every block of a chunk that `runs` touch; returns (blocks checked, gap bytes read).
+
+    `runs` are [begin, end) offsets within the chunk's `nbytes`, increasing. `held` holds their bytes one
+    after another when the caller has read them already (only the gaps around them are then read through
+    `read_gaps`), or is None (whole blocks are read). Blocks in `skip` were checked before and are passed
+    over. `mismatch(begin, end, found, recorded)` builds the error for a damaged block.
+    """
+    pieces: dict[int, list[tuple[int, int, int]]] = {}  # block -> (begin, end, position in `held`)
+    position_in_held = 0
+    for begin, end in runs:
+        position = begin
+        while position < end:
+            block = position // CHECKSUM_BLOCK
+            stop = min(end, (block + 1) * CHECKSUM_BLOCK)
+            if skip is None or block not in skip:
+                pieces.setdefault(block, []).append((position, stop, position_in_held + position - begin))
+            position = stop
+        position_in_held += end - begin
+    gaps: list[Run] = []
+    for block, parts in pieces.items():
+        position = block * CHECKSUM_BLOCK
+        block_end = min((block + 1) * CHECKSUM_BLOCK, nbytes)
+        if held is None:
+            gaps.append((position, block_end))
+            continue
+        for begin, end, _ in parts:
+            if begin > position:
+                gaps.append((position, begin))
+            position = end
+        if position < block_end:
+            gaps.append((position, block_end))
+    fetched: dict[Run, bytes | memoryview] = dict(zip(gaps, read_gaps(gaps)))
+    for block, parts in pieces.items():
+        value, position = 0, block * CHECKSUM_BLOCK
+        block_end = min((block + 1) * CHECKSUM_BLOCK, nbytes)
+        if held is not None:
+            for begin, end, offset in parts:
+                if begin > position:
+                    value = crc32c.crc32c(fetched[(position, begin)], value)
+                value = crc32c.crc32c(held[offset:offset + end - begin], value)
+                position = end
+        if position < block_end:
+            value = crc32c.crc32c(fetched[(position, block_end)], value)
+        if value != crcs[block]:
+            raise mismatch(block * CHECKSUM_BLOCK, block_end, value, int(crcs[block]))
+        if skip is not None:
+            skip.add(block)
+    return list(pieces), sum(end - begin for begin, end in gaps)

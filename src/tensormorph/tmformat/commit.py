@@ -1,0 +1,337 @@
+"""The commit protocol: where a Tensormorph save is written, and how it becomes visible at once or not at all.
+
+Local saves go to a temporary sibling folder and are renamed into place after
+the manifest is durable, so the final name only ever holds a committed
+checkpoint. Object stores have no atomic folder rename: there the data files
+go straight to their final keys and the manifest, a single PUT written last,
+is the commit. Either way a folder without a manifest is not a checkpoint,
+and a marker file says which save it was part of.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import io
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..errors import CheckpointError
+from ..storage import is_url
+from .manifest import INIT_PREFIX, MANIFEST, SAVE_MARKER, TEMP_PREFIX
+from .stream import OutputFile
+
+
+def _local_path(path: str | os.PathLike) -> Path:
+    text = os.fspath(path)
+    return Path(text[len("file://"):] if text.startswith("file://") else text)
+
+
+def store(target: Destination, name: str, chunks: Iterable[bytes]) -> None:
+    """Write one file of a save from a stream of byte strings, durably."""
+    f = target.open(name)
+    try:
+        for chunk in chunks:
+            f.write(chunk)
+    finally:
+        target.finish_file(f)
+
+
+class LocalDestination:
+    """A folder on a local file system, committed by an atomic rename."""
+
+    def __init__(self, path: str | os.PathLike, *, overwrite: bool = False):
+        self.final = _local_path(path).absolute()
+        self.overwrite = overwrite
+        self.work: Path | None = None
+        self._marker: BinaryIO | None = None  # held open (and locked) by the preparing process
+
+    def describe(self) -> str:
+        return str(self.final)
+
+    def prepare(self) -> str:
+        """Create the temporary folder (one process only); returns its name for the other ranks."""
+        if self.final.exists() and not self.overwrite:
+            raise CheckpointError("already exists; pass overwrite=True to replace it", file=str(self.final))
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        name = f"{TEMP_PREFIX}{self.final.name}-{uuid.uuid4().hex[:12]}"
+        work = self.final.parent / name
+        # the marker stays locked until the commit: a cleaner (remove_abandoned) leaves locked saves alone.
+        # The folder gets its temporary name only once the marker is in it, so a folder under that name
+        # without a marker is never a live save.
+        init = self.final.parent / f"{INIT_PREFIX}{uuid.uuid4().hex[:12]}"
+        init.mkdir()
+        # held open, and locked, past this call until the commit or abort: _release_marker closes it
+        self._marker = open(init / SAVE_MARKER, "xb")  # noqa: SIM115
+        fcntl.flock(self._marker.fileno(), fcntl.LOCK_EX)
+        _HELD_MARKERS.add(self._marker.fileno())
+        self._marker.write(json.dumps({"target": self.final.name, "started": time.time(), "pid": os.getpid()}).encode())
+        self._marker.flush()
+        os.fsync(self._marker.fileno())
+        os.rename(init, work)
+        self.work = work
+        return name
+
+    def join(self, token: str) -> None:
+        self.work = self.final.parent / token
+
+    def open(self, name: str) -> OutputFile:
+        assert self.work is not None, "prepare() or join() first"
+        return _EarlyWriteback(self.work / name)
+
+    @staticmethod
+    def finish_file(f: OutputFile) -> None:
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+
+    def read_range(self, name: str, begin: int, end: int) -> bytes:
+        """Bytes of a file this save wrote (parity is computed from the data files before the commit)."""
+        assert self.work is not None
+        with open(self.work / name, "rb") as f:
+            f.seek(begin)
+            return f.read(end - begin)
+
+    def abort(self) -> None:
+        """Give up the save: release its marker, so that a cleaner (remove_abandoned) may delete the folder."""
+        self._release_marker()
+
+    def remove(self) -> None:
+        """Give up the save and delete what it wrote (a single-process save: no other rank writes here)."""
+        self._release_marker()
+        if self.work is not None:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    def _release_marker(self) -> None:
+        if self._marker is not None:
+            _HELD_MARKERS.discard(self._marker.fileno())
+            self._marker.close()
+            self._marker = None
+
+    def commit(self, manifest: bytes) -> None:
+        """Make the save visible: manifest durable, then the folder renamed to its final name."""
+        assert self.work is not None
+        _write_durably(self.work / MANIFEST, manifest)
+        (self.work / SAVE_MARKER).unlink()
+        self._release_marker()
+        _fsync_dir(self.work)
+        if not self.final.exists():
+            os.rename(self.work, self.final)
+            _fsync_dir(self.final.parent)
+            return
+        replaced = self.final.parent / f"{TEMP_PREFIX}replaced-{self.final.name}-{uuid.uuid4().hex[:12]}"
+        if _exchange(self.work, self.final):  # one atomic step: the old checkpoint now sits at the work name
+            # renamed again so that a cleaner knows it for garbage even once its manifest is deleted
+            os.rename(self.work, replaced)
+        else:  # no renameat2 here: a short window where neither name holds a checkpoint
+            os.rename(self.final, replaced)
+            os.rename(self.work, self.final)
+        _fsync_dir(self.final.parent)
+        # freeing a large checkpoint's blocks takes a while and nothing waits for it
+        threading.Thread(target=shutil.rmtree, args=(replaced,), kwargs={"ignore_errors": True}).start()
+
+
+class FsspecDestination:
+    """A prefix in an fsspec file system (s3://, gs://, memory://...); the manifest PUT is the commit."""
+
+    def __init__(self, url: str, *, overwrite: bool = False, storage_options: dict[str, Any] | None = None):
+        import fsspec
+
+        self.url = url.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.overwrite = overwrite
+
+    def describe(self) -> str:
+        return self.url
+
+    def prepare(self) -> str:
+        if self.fs.exists(f"{self.root}/{MANIFEST}"):
+            if not self.overwrite:
+                raise CheckpointError("already holds a checkpoint; pass overwrite=True to replace it", file=self.url)
+            # an object store cannot swap a prefix atomically: the old manifest goes first, so the prefix is
+            # never a valid checkpoint whose files are half replaced (save to a new prefix to keep the old one)
+            self.fs.rm_file(f"{self.root}/{MANIFEST}")
+        self.fs.pipe_file(f"{self.root}/{SAVE_MARKER}",
+                          json.dumps({"target": self.url, "started": time.time()}).encode())
+        return ""
+
+    def join(self, token: str) -> None:
+        return None
+
+    def open(self, name: str) -> OutputFile:
+        # s3fs uploads a file written this way in multipart pieces as its buffer fills
+        return self.fs.open(f"{self.root}/{name}", "wb", block_size=64 * 1024**2)
+
+    @staticmethod
+    def finish_file(f: OutputFile) -> None:
+        f.close()  # completes the upload; an object store has no separate fsync
+
+    def read_range(self, name: str, begin: int, end: int) -> bytes:
+        return self.fs.cat_file(f"{self.root}/{name}", start=begin, end=end)
+
+    def commit(self, manifest: bytes) -> None:
+        self.fs.pipe_file(f"{self.root}/{MANIFEST}", manifest)
+        self.fs.rm_file(f"{self.root}/{SAVE_MARKER}")
+
+    def abort(self) -> None:
+        return None  # the marker object stays: it says the prefix holds a save that never committed
+
+    def remove(self) -> None:
+        return None  # other writers may share the prefix; the marker says what happened
+
+
+Destination = LocalDestination | FsspecDestination
+
+
+def destination(path: str | os.PathLike[str], *, overwrite: bool = False,
+                storage_options: dict[str, Any] | None = None) -> Destination:
+    if is_url(path):
+        return FsspecDestination(os.fspath(path), overwrite=overwrite, storage_options=storage_options)
+    return LocalDestination(path, overwrite=overwrite)
+
+
+class _EarlyWriteback(io.RawIOBase):
+    """A write-only file that asks the kernel to start writing back every WRITEBACK_PIECE bytes.
+
+    Linux starts background writeback only when dirty pages pass a share of RAM, so a save smaller
+    than that would sit in the page cache until the final fsync and then wait for the whole disk
+    write. Starting writeback as we go lets the disk work while the rest is written, and fsync waits
+    only for the tail. sync_file_range(WRITE) does this and keeps the pages cached (parity is computed
+    from them next); where it is unavailable, posix_fadvise(DONTNEED) starts writeback too.
+    """
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        self._position = self._flushed = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.write(self._fd, view[done:])
+        self._position += done
+        if self._position - self._flushed >= WRITEBACK_PIECE:
+            _start_writeback(self._fd, self._flushed, self._position - self._flushed)
+            self._flushed = self._position
+        return done
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
+
+
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def _sync_file_range() -> Any:
+    function = getattr(_LIBC, "sync_file_range", None) if _LIBC is not None else None
+    if function is not None:
+        function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return function
+
+
+_LIBC = _libc()
+_SYNC_FILE_RANGE = _sync_file_range()
+SYNC_FILE_RANGE_WRITE = 2  # from <fcntl.h>: start writeback of the range's dirty pages, do not wait
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    if _SYNC_FILE_RANGE is not None and _SYNC_FILE_RANGE(fd, offset, length, SYNC_FILE_RANGE_WRITE) == 0:
+        return
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+WRITEBACK_PIECE = 64 * 1024**2
+
+
+# A flock belongs to the open file, which a forked child (a DataLoader worker started while a save is in
+# flight) shares: the lock would outlive a killed saver for as long as its children run. Children close
+# their copies, so only the saving process holds the lock.
+_HELD_MARKERS: set[int] = set()
+
+
+def _close_inherited_markers() -> None:
+    for fd in _HELD_MARKERS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD_MARKERS.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_markers)
+
+
+def remove_abandoned(folder: Path, *, grace_s: float = 60.0) -> list[Path]:
+    """Delete the temporary folders under `folder` that no live save owns; returns what was deleted.
+
+    A save's folder holds a marker its preparing process keeps locked until the commit, so a folder
+    whose marker can be locked belongs to a save that died. A temporary folder without a marker is a
+    deletion, a replaced checkpoint or a committed save on its way to its name: garbage. A folder still
+    being set up (INIT_PREFIX) without its marker yet is left alone until it is `grace_s` old.
+    """
+    removed = []
+    for child in folder.iterdir():
+        if not child.name.startswith((TEMP_PREFIX, INIT_PREFIX)) or not child.is_dir():
+            continue
+        try:
+            with open(child / SAVE_MARKER, "rb") as handle:
+                try:
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live save
+        except FileNotFoundError:
+            try:
+                if child.name.startswith(INIT_PREFIX) and time.time() - child.stat().st_mtime < grace_s:
+                    continue
+            except FileNotFoundError:
+                continue
+        shutil.rmtree(child, ignore_errors=True)
+        removed.append(child)
+    return removed
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where that is unavailable."""
+    renameat2 = getattr(_LIBC, "renameat2", None) if _LIBC is not None else None
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """Write a small file under a temporary name, fsync it and rename it into place."""
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(part, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,363 @@
+"""The Tensormorph format's manifest: the global view of a sharded checkpoint, as JSON.
+
+docs/format.md is the specification; this module writes and validates it.
+A folder is a committed checkpoint exactly when `manifest.json` is present
+and its own checksum matches: data files are written first, the manifest
+last, so a reader never takes a half-written save for a valid one.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import crc32c
+import numpy as np
+
+from .. import dtypes
+from ..errors import CheckpointError, ChecksumError, HeaderError
+from .checksums import CHECKSUM_BLOCK
+from .parity import parse_scheme
+
+FORMAT = "tensormorph"
+VERSION = 1
+MANIFEST = "manifest.json"
+SAVE_MARKER = ".tensormorph-save"  # inside a temporary folder: names the save it belongs to
+TEMP_PREFIX = ".tmp-tensormorph-"
+INIT_PREFIX = ".init-tensormorph-"  # a save's folder while its marker is created, before it takes TEMP_PREFIX
+CHECKSUM = "crc32c"
+MAX_MANIFEST_BYTES = 1 << 30
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkRecord:
+    """One stored box of a tensor: where its bytes are and their block checksums."""
+
+    file: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    byte_range: tuple[int, int]  # [begin, end) in `file`, absolute
+    block_crc32c: np.ndarray  # uint32, one per CHECKSUM_BLOCK of the chunk's bytes
+    rank: int
+    holders: tuple[int, ...] = ()  # every rank that held an identical copy (replicas are stored once)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "offsets": list(self.offsets), "shape": list(self.shape),
+                "byte_range": list(self.byte_range), "crc32c": pack_crcs(self.block_crc32c),
+                "rank": self.rank, "holders": list(self.holders)}
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkRecord, ...]
+    mesh: tuple[int, ...] | None = None  # mesh shape; None for a plain (unsharded) tensor
+    mesh_ranks: tuple[int, ...] | None = None  # the mesh's global ranks, row-major
+    mesh_dim_names: tuple[str, ...] | None = None
+    placements: tuple[str, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape)}
+        if self.mesh is not None:
+            record["mesh"] = {"shape": list(self.mesh), "ranks": list(self.mesh_ranks or ()),
+                              "dim_names": list(self.mesh_dim_names) if self.mesh_dim_names else None}
+            record["placements"] = list(self.placements or ())
+        record["chunks"] = [c.to_json() for c in self.chunks]
+        return record
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    size: int
+    crc32c: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Redundancy:
+    """Parity or copies of the data files (see parity.py)."""
+
+    scheme: str  # "rs(k,m)" or "replicate:n"
+    segment: int
+    files: dict[str, FileRecord]  # every parity file and copy
+    stripes: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()  # (data files, parity files) per stripe
+
+    def to_json(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"scheme": self.scheme, "segment": self.segment, "files": _files_json(self.files)}
+        if self.stripes:
+            record["stripes"] = [{"data": list(d), "parity": list(p)} for d, p in self.stripes]
+        return record
+
+
+def _files_json(files: dict[str, FileRecord]) -> dict[str, Any]:
+    return {name: {"size": f.size, "crc32c": f"{f.crc32c:08x}", "rank": f.rank} for name, f in sorted(files.items())}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    tensors: dict[str, TensorRecord]
+    objects: dict[str, Any]  # decoded values
+    files: dict[str, FileRecord]
+    world_size: int
+    writer: dict[str, Any] = field(default_factory=dict)
+    created: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+    redundancy: Redundancy | None = None
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "format": FORMAT, "version": VERSION, "created": self.created, "world_size": self.world_size,
+            "writer": self.writer, "checksum": {"algorithm": CHECKSUM, "block": CHECKSUM_BLOCK},
+            "files": _files_json(self.files),
+            "tensors": {name: t.to_json() for name, t in self.tensors.items()},
+            "objects": {name: encode_value(v, name) for name, v in self.objects.items()},
+            "extra": self.extra,
+        }
+        if self.redundancy is not None:
+            body["redundancy"] = self.redundancy.to_json()
+        text = json.dumps(body, separators=(",", ":"), allow_nan=False)
+        # the manifest carries its own checksum, over the canonical text before it
+        return json.dumps({"manifest_crc32c": f"{crc32c.crc32c(text.encode()):08x}", "body": json.loads(text)},
+                          separators=(",", ":"), allow_nan=False).encode()
+
+
+# ---- non-tensor values as JSON, with tags for what JSON lacks --------------------------------------------
+
+_TAG = "__tm__"
+
+
+def encode_value(value: Any, where: str) -> Any:
+    """A plain value (numbers, strings, bools, None, bytes, lists, tuples, dicts) as JSON-able data."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return {_TAG: "float", "value": repr(value)}
+    if isinstance(value, (bytes, bytearray)):
+        return {_TAG: "bytes", "value": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, tuple):
+        return {_TAG: "tuple", "value": [encode_value(v, where) for v in value]}
+    if isinstance(value, list):
+        return [encode_value(v, where) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and k != _TAG for k in value):
+            return {k: encode_value(v, where) for k, v in value.items()}
+        return {_TAG: "dict", "value": [[encode_value(k, where), encode_value(v, where)] for k, v in value.items()]}
+    type_name = type(value).__module__ + "." + type(value).__qualname__
+    if hasattr(value, "item") and hasattr(value, "dtype") and getattr(value, "ndim", None) == 0:
+        return encode_value(value.item(), where)  # a numpy scalar
+    raise TypeError(f"state entry {where!r} holds a {type_name}, which is not a tensor or plain data "
+                    "(numbers, strings, bools, None, bytes, lists, tuples, dicts); convert it or call its state_dict()")
+
+
+def decode_value(data: Any) -> Any:
+    if isinstance(data, list):
+        return [decode_value(v) for v in data]
+    if isinstance(data, dict):
+        tag = data.get(_TAG)
+        if tag is None:
+            return {k: decode_value(v) for k, v in data.items()}
+        value = data.get("value")
+        if tag == "float" and value in ("nan", "inf", "-inf"):
+            return float(value)
+        if tag == "bytes" and isinstance(value, str):
+            return base64.b64decode(value, validate=True)
+        if tag == "tuple" and isinstance(value, list):
+            return tuple(decode_value(v) for v in value)
+        if tag == "dict" and isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
+            return {_hashable(decode_value(k)): decode_value(v) for k, v in value}
+        raise ValueError(f"malformed tagged value {data!r}")
+    return data
+
+
+def _hashable(key: Any) -> Any:
+    if isinstance(key, list):
+        raise ValueError("a dict key cannot be a list")
+    return key
+
+
+# ---- reading ------------------------------------------------------------------------------------------
+
+def pack_crcs(values: Any) -> str:
+    """Block checksums as base64 of big-endian uint32s (compact: a 1 TiB checkpoint has 16 M blocks)."""
+    return base64.b64encode(np.asarray(values, dtype=">u4").tobytes()).decode()
+
+
+def unpack_crcs(text: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text, validate=True), dtype=">u4").astype(np.uint32)
+
+
+
+def parse(raw: bytes, where: str) -> Manifest:
+    """Validate and decode a manifest; every problem is a HeaderError (ChecksumError when damaged)."""
+    try:
+        outer = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ChecksumError(f"manifest is not valid JSON ({exc}); it is damaged", file=where) from None
+    if not isinstance(outer, dict) or not isinstance(outer.get("body"), dict):
+        raise HeaderError("manifest must be an object with 'manifest_crc32c' and 'body'", file=where)
+    body = outer["body"]
+    try:
+        text = json.dumps(body, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # NaN or Infinity literals: never written by a saver
+        raise HeaderError("manifest holds non-finite numbers, which no saver writes", file=where) from None
+    found = f"{crc32c.crc32c(text.encode()):08x}"
+    if outer.get("manifest_crc32c") != found:
+        raise ChecksumError(f"manifest checksum is {found}, the manifest records {outer.get('manifest_crc32c')!r}: "
+                            "the manifest is damaged", file=where)
+    if body.get("format") != FORMAT:
+        raise HeaderError(f"manifest format is {body.get('format')!r}, expected {FORMAT!r}", file=where)
+    if body.get("version") != VERSION:
+        raise HeaderError(f"manifest version {body.get('version')!r} is not supported (this reader knows {VERSION})",
+                          file=where)
+    checksum = _dict(body.get("checksum"), "checksum", where)
+    if checksum.get("algorithm") != CHECKSUM or checksum.get("block") != CHECKSUM_BLOCK:
+        raise HeaderError(f"unsupported checksum scheme {checksum!r}", file=where)
+    world = _int(body.get("world_size"), "world_size", where, minimum=1)
+    files = _file_records(body.get("files"), where)
+    tensors = {name: _tensor(name, info, files, where)
+               for name, info in _dict(body.get("tensors"), "tensors", where).items()}
+    objects = {}
+    for name, value in _dict(body.get("objects"), "objects", where).items():
+        try:
+            objects[name] = decode_value(value)
+        except (ValueError, TypeError) as exc:
+            raise HeaderError(f"object value cannot be decoded: {exc}", file=where, tensor=name) from None
+    redundancy = _redundancy(body["redundancy"], files, where) if "redundancy" in body else None
+    return Manifest(tensors, objects, files, world, _dict(body.get("writer", {}), "writer", where),
+                    str(body.get("created", "")), _dict(body.get("extra", {}), "extra", where), redundancy)
+
+
+def _file_records(value: Any, where: str) -> dict[str, FileRecord]:
+    files: dict[str, FileRecord] = {}
+    for name, info in _dict(value, "files", where).items():
+        info = _dict(info, f"files[{name!r}]", where)
+        files[name] = FileRecord(_int(info.get("size"), "size", where), _hex(info.get("crc32c"), name, where),
+                                 _int(info.get("rank"), "rank", where))
+    return files
+
+
+def _redundancy(value: Any, data_files: dict[str, FileRecord], where: str) -> Redundancy:
+    value = _dict(value, "redundancy", where)
+    try:
+        scheme = parse_scheme(str(value.get("scheme")))
+    except CheckpointError as exc:
+        raise HeaderError(exc.reason, file=where) from None
+    files = _file_records(value.get("files"), where)
+    stripes = []
+    if scheme.kind == "rs":
+        raw = value.get("stripes")
+        if not isinstance(raw, list):
+            raise HeaderError("redundancy stripes must be a list", file=where)
+        for stripe in raw:
+            stripe = _dict(stripe, "stripe", where)
+            data, parity = stripe.get("data"), stripe.get("parity")
+            if (not isinstance(data, list) or not isinstance(parity, list) or not 1 <= len(data) <= scheme.k
+                    or len(parity) != scheme.m or not all(d in data_files for d in data)
+                    or not all(p in files for p in parity)):
+                raise HeaderError(f"a stripe of {str(scheme)} must list 1..{scheme.k} known data files and "
+                                  f"{scheme.m} known parity files, found {stripe!r}", file=where)
+            stripes.append((tuple(data), tuple(parity)))
+    segment = _int(value.get("segment"), "segment", where, minimum=1)
+    return Redundancy(str(scheme), segment, files, tuple(stripes))
+
+
+def _tensor(name: str, info: Any, files: dict[str, FileRecord], where: str) -> TensorRecord:
+    info = _dict(info, "tensor record", where, name)
+    dtype = info.get("dtype")
+    if not isinstance(dtype, str) or dtype not in dtypes.NUMPY_DTYPES:
+        raise HeaderError(f"unknown dtype {dtype!r}", file=where, tensor=name)
+    shape = _shape(info.get("shape"), where, name)
+    itemsize = dtypes.itemsize(dtype)
+    chunks = []
+    listed = info.get("chunks")
+    if not isinstance(listed, list):
+        _fail("chunks must be a list", where, name)
+    for raw in listed:
+        raw = _dict(raw, "chunk", where, name)
+        file = raw.get("file")
+        if file not in files:
+            raise HeaderError(f"chunk names file {file!r}, which the manifest does not list", file=where, tensor=name)
+        offsets, chunk_shape = _shape(raw.get("offsets"), where, name), _shape(raw.get("shape"), where, name)
+        begin, end = (_int(v, "byte_range", where) for v in _pair(raw.get("byte_range"), where, name))
+        nbytes = math.prod(chunk_shape) * itemsize
+        if end - begin != nbytes or end > files[file].size:
+            raise HeaderError(f"chunk at offsets {list(offsets)} has byte range [{begin}, {end}) but needs {nbytes} "
+                              f"bytes inside a {files[file].size}-byte file", file=where, tensor=name)
+        if len(offsets) != len(shape) or len(chunk_shape) != len(shape):
+            raise HeaderError(f"chunk at offsets {list(offsets)} with shape {list(chunk_shape)} does not have the "
+                              f"tensor's {len(shape)} dimensions", file=where, tensor=name)
+        blocks = -(-nbytes // CHECKSUM_BLOCK)
+        text = raw.get("crc32c")
+        try:
+            crcs = unpack_crcs(text) if isinstance(text, str) else None
+        except ValueError:  # not base64, or not whole uint32s
+            crcs = None
+        if crcs is None or len(crcs) != blocks:
+            raise HeaderError(f"chunk at offsets {list(offsets)} needs {blocks} block checksums (base64 of "
+                              "big-endian uint32)", file=where, tensor=name)
+        holders = raw.get("holders", [])
+        if not isinstance(holders, list) or not all(isinstance(h, int) for h in holders):
+            raise HeaderError("chunk holders must be a list of ranks", file=where, tensor=name)
+        chunks.append(ChunkRecord(file, offsets, chunk_shape, (begin, end), crcs,
+                                  _int(raw.get("rank"), "rank", where), tuple(holders)))
+    mesh = info.get("mesh")
+    if mesh is None:
+        return TensorRecord(dtype, shape, tuple(chunks))
+    mesh = _dict(mesh, "mesh", where, name)
+    placements = info.get("placements")
+    mesh_shape = _shape(mesh.get("shape"), where, name)
+    if (not isinstance(placements, list) or len(placements) != len(mesh_shape)
+            or not all(isinstance(p, str) for p in placements)):
+        raise HeaderError(f"placements {placements!r} do not match the mesh {list(mesh_shape)}", file=where,
+                          tensor=name)
+    names = mesh.get("dim_names")
+    return TensorRecord(dtype, shape, tuple(chunks), mesh_shape, _shape(mesh.get("ranks", []), where, name),
+                        tuple(names) if isinstance(names, list) else None, tuple(placements))
+
+
+def _fail(reason: str, where: str, name: str | None = None) -> NoReturn:
+    raise HeaderError(reason, file=where, tensor=name)
+
+
+def _dict(value: Any, what: str, where: str, name: str | None = None) -> dict:
+    if not isinstance(value, dict):
+        raise HeaderError(f"{what} must be a JSON object, found {type(value).__name__}", file=where, tensor=name)
+    return value
+
+
+def _int(value: Any, what: str, where: str, minimum: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise HeaderError(f"{what} must be an integer >= {minimum}, found {value!r}", file=where)
+    return value
+
+
+def _hex(value: Any, what: str, where: str) -> int:
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{8}", value):
+        raise HeaderError(f"checksum of {what} must be 8 hex digits, found {value!r}", file=where)
+    return int(value, 16)
+
+
+def _shape(value: Any, where: str, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62
+                                              for v in value):
+        raise HeaderError(f"expected a list of non-negative integers, found {value!r}", file=where, tensor=name)
+    return tuple(value)
+
+
+def _pair(value: Any, where: str, name: str) -> tuple[Any, Any]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise HeaderError(f"byte_range must be [begin, end], found {value!r}", file=where, tensor=name)
+    return value[0], value[1]

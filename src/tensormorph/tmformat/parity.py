@@ -1,0 +1,181 @@
+"""Redundancy for Tensormorph checkpoints: Reed-Solomon parity over stripes of rank files, or replicas.
+
+`rs(k,m)`: the data files, in rank order, are grouped into stripes of k (the
+last stripe is completed with virtual all-zero files). For each stripe, m
+parity files are computed with zfec (the Reed-Solomon coder of Tahoe-LAFS)
+segment by segment over the files zero-padded to the stripe's longest, so
+any k of the k+m files rebuild the others. Parity file j of stripe s is
+written by rank (s*k + k + j) mod world: the m parity files of a stripe land
+on m different ranks, after the stripe's own ranks where the world is larger
+than k.
+
+`replicate:n`: each rank's file is copied n-1 times, copy i by rank
+(r + i) mod world, for node-local storage tiers.
+
+The manifest records every parity file and copy with its size and CRC-32C,
+so damage anywhere is detected and, within the budget, repaired bit-exact.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from ..errors import CheckpointError
+from .checksums import RunningCrc
+
+SEGMENT = 4 * 1024**2  # bytes of each file encoded per zfec call
+
+_RS = re.compile(r"^rs\((\d+),\s*(\d+)\)$")
+_REPLICATE = re.compile(r"^replicate:(\d+)$")
+
+Reader = Callable[[str, int, int], bytes]  # (file, begin, end) -> bytes, for files that exist
+
+
+@dataclass(frozen=True)
+class Scheme:
+    kind: str  # "rs" or "replicate"
+    k: int = 0
+    m: int = 0
+    copies: int = 0
+
+    def __str__(self) -> str:
+        return f"rs({self.k},{self.m})" if self.kind == "rs" else f"replicate:{self.copies}"
+
+
+def parse_scheme(text: str) -> Scheme:
+    """'rs(4,2)' or 'replicate:2'."""
+    spec = text.replace(" ", "").lower()
+    match = _RS.match(spec)
+    if match:
+        k, m = int(match.group(1)), int(match.group(2))
+        if not (k >= 1 and m >= 1 and k + m <= 256):
+            raise CheckpointError(f"redundancy {text!r}: need k >= 1, m >= 1 and k + m <= 256")
+        return Scheme("rs", k=k, m=m)
+    match = _REPLICATE.match(spec)
+    if match and int(match.group(1)) >= 2:
+        return Scheme("replicate", copies=int(match.group(1)))
+    raise CheckpointError(f"unknown redundancy {text!r}: use rs(k,m), e.g. rs(4,2), or replicate:n with n >= 2")
+
+
+def parity_file(stripe: int, index: int) -> str:
+    return f"parity-{stripe:05d}-{index}.bin"
+
+
+def replica_file(data_file: str, copy: int) -> str:
+    return f"{data_file.removesuffix('.safetensors')}.copy{copy}.safetensors"
+
+
+@dataclass(frozen=True)
+class Stripe:
+    data: tuple[str, ...]  # the stripe's data files (fewer than k in a short last stripe)
+    sizes: tuple[int, ...]
+    parity: tuple[str, ...]
+
+    @property
+    def length(self) -> int:
+        return max(self.sizes, default=0)
+
+
+def stripes(files: Sequence[tuple[str, int]], k: int, m: int) -> list[Stripe]:
+    """Group (file, size) pairs, in order, into stripes of k with their m parity files."""
+    out = []
+    for s, start in enumerate(range(0, len(files), k)):
+        group = files[start:start + k]
+        out.append(Stripe(tuple(f for f, _ in group), tuple(n for _, n in group),
+                          tuple(parity_file(s, j) for j in range(m))))
+    return out
+
+
+def parity_writer(stripe: int, index: int, k: int, world: int) -> int:
+    return (stripe * k + k + index) % world
+
+
+def _segments(length: int, segment: int) -> Iterator[tuple[int, int]]:
+    for begin in range(0, length, segment):
+        yield begin, min(length, begin + segment)
+
+
+def _padded(read: Reader, file: str | None, size: int, begin: int, end: int) -> bytes:
+    """Bytes [begin, end) of a data file, zero-padded past its end (virtual files are all zeros)."""
+    if file is None or begin >= size:
+        return bytes(end - begin)
+    data = read(file, begin, min(end, size))
+    return data + bytes(end - begin - len(data))
+
+
+def encode_parity(stripe: Stripe, k: int, m: int, index: int, read: Reader, segment: int = SEGMENT) -> Iterator[bytes]:
+    """Parity file `index` of a stripe, segment by segment."""
+    import zfec
+
+    encoder = zfec.Encoder(k, k + m)
+    files: list[str | None] = list(stripe.data) + [None] * (k - len(stripe.data))
+    sizes = list(stripe.sizes) + [0] * (k - len(stripe.sizes))
+    for begin, end in _segments(stripe.length, segment):
+        blocks = tuple(_padded(read, f, n, begin, end) for f, n in zip(files, sizes))
+        yield encoder.encode(blocks, (k + index,))[0]
+
+
+def rebuild(stripe: Stripe, k: int, m: int, lost: str, available: set[str], read: Reader,
+            segment: int = SEGMENT) -> Iterator[bytes]:
+    """The bytes of file `lost` (data or parity) of a stripe, rebuilt from k available files, segment by segment.
+
+    Raises CheckpointError when fewer than k files of the stripe are available.
+    """
+    import zfec
+
+    names: list[str | None] = list(stripe.data) + [None] * (k - len(stripe.data)) + list(stripe.parity)
+    sizes = list(stripe.sizes) + [0] * (k - len(stripe.sizes)) + [stripe.length] * m
+    usable = [i for i, name in enumerate(names) if name is None or (name in available and name != lost)]
+    if len(usable) < k:
+        raise CheckpointError(f"cannot rebuild {lost}: {len(usable)} of the stripe's {k + m} files are intact, "
+                              f"{k} are needed")
+    chosen = tuple(usable[:k])
+    target = names.index(lost)
+    decoder, encoder = zfec.Decoder(k, k + m), zfec.Encoder(k, k + m)
+    for begin, end in _segments(stripe.length, segment):
+        blocks = tuple(_padded(read, names[i], sizes[i], begin, end) for i in chosen)
+        primaries = decoder.decode(blocks, chosen)
+        block = primaries[target] if target < k else encoder.encode(tuple(primaries), (target,))[0]
+        size = sizes[target]
+        if begin < size:
+            yield bytes(block[:min(end, size) - begin])
+
+
+def write_extras(scheme: Scheme, data_files: Sequence[tuple[str, int]], rank: int, world: int, read: Reader,
+                 write: Callable[[str, Iterator[bytes]], None]) -> dict[str, tuple[int, int]]:
+    """Write the parity files (or copies) that `rank` is responsible for; returns {file: (size, crc32c)}.
+
+    `read` reads the committed-to-be data files; `write(name, chunks)` stores one file durably.
+    """
+    done: dict[str, tuple[int, int]] = {}
+
+    def stored(name: str, chunks: Iterator[bytes]) -> None:
+        running = RunningCrc()
+        write(name, running.passing(chunks))
+        done[name] = (running.size, running.value)
+
+    if scheme.kind == "rs":
+        for s, stripe in enumerate(stripes(data_files, scheme.k, scheme.m)):
+            for j, name in enumerate(stripe.parity):
+                if parity_writer(s, j, scheme.k, world) == rank:
+                    stored(name, encode_parity(stripe, scheme.k, scheme.m, j, read))
+    else:
+        for source_rank, (name, size) in enumerate(data_files):
+            for copy in range(1, scheme.copies):
+                if (source_rank + copy) % world == rank:
+                    stored(replica_file(name, copy), (read(name, b, e) for b, e in _segments(size, SEGMENT)))
+    return done
+
+
+def overhead(scheme: Scheme, sizes: Sequence[int]) -> float:
+    """Extra bytes the scheme stores, as a fraction of the data."""
+    data = sum(sizes)
+    if data == 0:
+        return 0.0
+    if scheme.kind == "replicate":
+        return scheme.copies - 1.0
+    groups = [sizes[i:i + scheme.k] for i in range(0, len(sizes), scheme.k)]
+    return sum(scheme.m * max(g) for g in groups) / data if groups else 0.0
+

@@ -1,0 +1,223 @@
+"""Writing the Tensormorph format, independent of torch: one `SaveTransaction`, prepare -> write -> commit.
+
+The distributed save (`tensormorph.save`) and the offline resharder
+(`convert --to tensormorph`) both describe what each rank holds as `Piece`s
+and go through a SaveTransaction: `plan_writers` picks one writer per
+distinct box, each rank streams its chunks into one safetensors file
+(`write_rank_file`), writes its share of parity or copies, and the committing
+process assembles the manifest (`build_manifest`) and commits it (commit.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from .. import dtypes
+from ..core import Chunk, LayoutOnly, validate_tiling
+from ..errors import ChunkLayoutError, HeaderError
+from ..version import __version__
+from .checksums import CHECKSUM_BLOCK
+from .commit import destination, store
+from .layout import assign_writers
+from .manifest import ChunkRecord, FileRecord, Manifest, Redundancy, TensorRecord, rank_file
+from .parity import SEGMENT, Scheme, parse_scheme, stripes, write_extras
+from .stream import OutputFile, TensorSpec, Written, write_stream
+
+SHARDING_KEY = "DCP_SHARDING_INFO"  # DCP's HuggingFaceStorageReader reads each chunk's offsets from here
+
+Key = tuple[str, tuple[int, ...], tuple[int, ...]]  # (tensor, offsets, shape)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one rank holds of one tensor (metadata only; sent between ranks)."""
+
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    rank: int
+    mesh: tuple[int, ...] | None = None
+    mesh_ranks: tuple[int, ...] | None = None
+    mesh_dim_names: tuple[str, ...] | None = None
+    placements: tuple[str, ...] | None = None
+
+    @property
+    def key(self) -> Key:
+        return self.name, self.offsets, self.shape
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+
+
+def plan_writers(pieces: Iterable[Piece]) -> dict[Key, int]:
+    """One writer rank for every distinct non-empty box (replicas are written once, balanced by bytes).
+
+    Also checks that all ranks agree on each tensor's dtype and global shape and that the boxes tile it.
+    """
+    holders: dict[Key, tuple[int, list[int]]] = {}
+    first: dict[str, Piece] = {}
+    for piece in pieces:
+        seen = first.setdefault(piece.name, piece)
+        if (seen.dtype, seen.global_shape) != (piece.dtype, piece.global_shape):
+            raise HeaderError(f"rank {seen.rank} holds it as {seen.dtype} {list(seen.global_shape)}, rank "
+                              f"{piece.rank} as {piece.dtype} {list(piece.global_shape)}: every rank must agree",
+                              tensor=piece.name)
+        if math.prod(piece.shape) == 0:
+            continue
+        holders.setdefault(piece.key, (piece.nbytes, []))[1].append(piece.rank)
+    by_tensor: dict[str, list[Chunk]] = {}
+    for name, offsets, shape in holders:
+        by_tensor.setdefault(name, []).append(Chunk(offsets, shape, None, None, source=LayoutOnly()))
+    for name, piece in first.items():
+        try:
+            validate_tiling(name, piece.global_shape, by_tensor.get(name, []))
+        except ChunkLayoutError as exc:
+            raise ChunkLayoutError(f"the ranks' shards do not tile the tensor: {exc.reason}", tensor=name) from None
+    return assign_writers(holders)
+
+
+def write_rank_file(f: OutputFile, rank: int,
+                    chunks: Sequence[tuple[Piece, Callable[[], Iterable[np.ndarray]]]]) -> Written:
+    """Stream one rank's chunks into a safetensors file (an open binary file object).
+
+    Each chunk is stored under its tensor's name with its global offsets in DCP_SHARDING_INFO,
+    so the file is also a DCP sharded-safetensors file.
+    """
+    info = {piece.name: {"saved_offsets": list(piece.offsets)} for piece, _ in chunks}
+    metadata = {"format": "pt", SHARDING_KEY: json.dumps(info, separators=(",", ":")), "tensormorph_rank": str(rank)}
+    return write_stream(f, [(TensorSpec(p.name, p.dtype, p.shape), blocks()) for p, blocks in chunks], metadata,
+                        checksum_block=CHECKSUM_BLOCK)
+
+
+def build_manifest(pieces: Iterable[Piece], writers: dict[Key, int], written: dict[int, tuple[list[Key], Written]],
+                   objects: dict, world_size: int, extra: dict | None = None) -> Manifest:
+    """The manifest of a save, from every rank's pieces, the writer choice and what each writer wrote."""
+    stored: dict[Key, ChunkRecord] = {}
+    files: dict[str, FileRecord] = {}
+    holders: dict[Key, list[int]] = {}
+    by_name: dict[str, Piece] = {}
+    for piece in pieces:
+        by_name.setdefault(piece.name, piece)
+        holders.setdefault(piece.key, []).append(piece.rank)
+    for rank, (keys, result) in written.items():
+        name = rank_file(rank)
+        files[name] = FileRecord(result.size, result.crc32c, rank)
+        for key, byte_range, crcs in zip(keys, result.ranges, result.block_crc32c):
+            stored[key] = ChunkRecord(name, key[1], key[2], byte_range, np.asarray(crcs, dtype=np.uint32), rank,
+                                      tuple(sorted(holders[key])))
+    missing = [key for key in writers if key not in stored]
+    if missing:
+        raise HeaderError(f"{len(missing)} chunks were planned but not written, e.g. {missing[0]}")
+    chunks_of: dict[str, list[ChunkRecord]] = {}
+    for key, chunk in stored.items():
+        chunks_of.setdefault(key[0], []).append(chunk)
+    tensors = {}
+    for name, piece in by_name.items():
+        chunks = tuple(sorted(chunks_of.get(name, []), key=lambda c: c.offsets))
+        tensors[name] = TensorRecord(piece.dtype, piece.global_shape, chunks, piece.mesh, piece.mesh_ranks,
+                                     piece.mesh_dim_names, piece.placements)
+    writer = {"tensormorph": __version__, "python": platform.python_version(), "host": platform.node()}
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return Manifest(tensors, objects, files, world_size, writer, created, extra or {})
+
+
+Extras = dict[str, tuple[int, int]]  # the parity files or copies one rank wrote: name -> (size, CRC-32C)
+
+
+def redundancy_record(scheme: Scheme, data_files: dict[str, FileRecord], extras: Sequence[Extras]) -> Redundancy:
+    """The manifest's redundancy section from every rank's written parity files or copies."""
+    files = {name: FileRecord(size, crc, rank) for rank, done in enumerate(extras)
+             for name, (size, crc) in done.items()}
+    ordered = sorted((name, record.size) for name, record in data_files.items())
+    layout = tuple((s.data, s.parity) for s in stripes(ordered, scheme.k, scheme.m)) if scheme.kind == "rs" else ()
+    return Redundancy(str(scheme), SEGMENT, files, layout)
+
+
+Blocks = Callable[[], Iterable[np.ndarray]]  # a chunk's data, produced in C-order blocks when its turn comes
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """What one rank wrote: its boxes, in file order, the file's sizes and checksums, and its plain values."""
+
+    keys: list[Key]
+    written: Written
+    objects: dict[str, Any]
+
+
+class SaveTransaction:
+    """One save, by one process or by every rank of a group: plan, prepare, write, then commit or abort.
+
+    The committing process (rank 0) calls `prepare`, every other one `join`s with the token it returns.
+    Each rank writes its own file (`write_rank`) and then its share of parity or copies
+    (`write_redundancy`); the committing process `commit`s every rank's results. Nothing is visible
+    under the final name until the commit; after a failure, `abort` (or `remove`) gives the folder up.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = False,
+                 storage_options: dict[str, Any] | None = None, redundancy: str | None = None,
+                 extra: dict[str, Any] | None = None):
+        self.redundancy = redundancy
+        self.scheme = parse_scheme(redundancy) if redundancy else None  # a bad spelling fails before any write
+        self.target = destination(path, overwrite=overwrite, storage_options=storage_options)
+        self.extra = extra
+        self.pieces: list[Piece] = []
+        self.writers: dict[Key, int] = {}
+
+    def plan(self, everyone: list[Piece]) -> None:
+        """Every rank's pieces; chooses the writer of each box (the same answer on every rank)."""
+        self.writers = plan_writers(everyone)
+        self.pieces = everyone
+
+    def prepare(self) -> str:
+        return self.target.prepare()
+
+    def join(self, token: str) -> None:
+        self.target.join(token)
+
+    def written_by(self, rank: int, pieces: Iterable[Piece]) -> list[Piece]:
+        """The pieces among `pieces` that `rank` was chosen to write."""
+        return [p for p in pieces if self.writers.get(p.key) == rank]
+
+    def write_rank(self, rank: int, chunks: Sequence[tuple[Piece, Blocks]], objects: dict[str, Any]) -> RankResult:
+        f = self.target.open(rank_file(rank))
+        try:
+            written = write_rank_file(f, rank, chunks)
+        finally:
+            self.target.finish_file(f)
+        return RankResult([piece.key for piece, _ in chunks], written, objects)
+
+    def write_redundancy(self, rank: int, sizes: Sequence[int]) -> Extras:
+        """This rank's parity files or copies, computed from every rank's data file (`sizes` in rank order)."""
+        if self.scheme is None:
+            return {}
+        data_files = [(rank_file(r), size) for r, size in enumerate(sizes)]
+        return write_extras(self.scheme, data_files, rank, len(sizes), self.target.read_range,
+                            partial(store, self.target))
+
+    def commit(self, results: Sequence[RankResult], extras: Sequence[Extras], objects: dict[str, Any]) -> Manifest:
+        written = {rank: (result.keys, result.written) for rank, result in enumerate(results)}
+        manifest = build_manifest(self.pieces, self.writers, written, objects, len(results), self.extra)
+        if self.scheme is not None:
+            manifest = replace(manifest, redundancy=redundancy_record(self.scheme, manifest.files, extras))
+        self.target.commit(manifest.to_bytes())
+        return manifest
+
+    def abort(self) -> None:
+        self.target.abort()
+
+    def remove(self) -> None:
+        self.target.remove()

@@ -1,0 +1,152 @@
+"""Resuming: which checkpoint, and its state put back into the model, optimizer, scheduler, scaler, data
+loader and random generators, so that the resumed run continues as the uninterrupted one would have.
+
+Every rank's generators and data position are plain values in the manifest. All are read (no data file
+is touched for them); a rank uses its own, and another world size uses every rank's data position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..distributed import load as tm_load
+from ..distributed.collective import Collective
+from ..errors import CheckpointError
+from ..tmformat.manifest import MANIFEST, parse
+from . import rng
+from .manager import TRAIN_KEY, CheckpointManager
+from .plain import from_plain, to_plain
+from .state import component_states, generator_state, loader_parts, optimizers
+
+__all__ = ["Resumer"]
+
+
+@dataclass
+class _Generators:
+    """One rank's saved generator states, and its DataLoader's own generator's (when it has one)."""
+
+    states: dict[str, Any] | None
+    loader: bytes | None = None
+
+
+class Resumer:
+    """Resumes from the checkpoints of `manager` on `control`'s ranks. A generator restore that must wait
+    for the data loader's first index is held here meanwhile: it is the state a save in between captures."""
+
+    def __init__(self, manager: CheckpointManager, control: Collective) -> None:
+        self._manager = manager
+        self._control = control
+        self._pending: _Generators | None = None
+
+    def choose(self, step: int | None) -> Path | None:
+        """The checkpoint to resume: the newest, or the newest of `step`; None when there is none.
+        Rank 0 lists the checkpoints for all ranks (collective)."""
+        found = self._control.decide(lambda: [(i.step, str(i.path)) for i in self._manager.list()],
+                                     "cannot list the checkpoints", self._manager.root)
+        if step is not None:
+            found = [f for f in found if f[0] == step]
+            if not found:
+                raise CheckpointError(f"has no committed checkpoint of step {step}", file=str(self._manager.root))
+        return Path(found[-1][1]) if found else None
+
+    def restore(self, path: Path, *, model: Any, optimizer: Any, scheduler: Any, scaler: Any, dataloader: Any,
+                strict: bool) -> tuple[int, Any]:
+        """Load the checkpoint at `path` into what is given (collective); its step and its `extra`."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        manifest = parse((path / MANIFEST).read_bytes(), str(path / MANIFEST))
+        meta = manifest.extra[TRAIN_KEY]
+        given = optimizers(optimizer)
+        target: dict[str, Any] = {"step": None, **component_states(model, given, scheduler, scaler)}
+        if "extra" in manifest.objects:
+            target["extra"] = None
+        for name in manifest.objects:
+            if name.startswith(("rng.rank", "data.rank")):
+                target[name] = None
+        if dataloader is not None and not any(n.startswith("data.rank") for n in manifest.objects):
+            target["data.rank0"] = None  # reported as missing: the checkpoint holds no data position
+
+        tm_load(path, target, strict=strict)
+
+        if model is not None:
+            if given:
+                set_state_dict(model, given, model_state_dict=target["model"], optim_state_dict=target["optimizer"])
+            else:
+                set_model_state_dict(model, target["model"])
+        if scheduler is not None:
+            scheduler.load_state_dict(target["scheduler"])
+        if scaler is not None:
+            scaler.load_state_dict(target["scaler"])
+        self._restore_position(path, meta, target, dataloader)
+        return int(meta["step"]), target.get("extra")
+
+    def generator_states(self) -> dict[str, Any]:
+        """This process's generator states, as they are or as a pending restore will make them."""
+        pending = self._pending
+        return pending.states if pending is not None and pending.states else rng.capture()
+
+    def data_position(self, dataloader: Any) -> dict[str, Any]:
+        """This rank's data position, as plain values."""
+        kind, sampler, loader = loader_parts(dataloader)
+        if kind == "stateful":
+            return {"kind": kind, "state": to_plain(loader.state_dict(), "dataloader")}
+        pending = self._pending
+        generator = pending.loader if pending is not None and pending.loader else generator_state(loader)
+        assert sampler is not None
+        return {"kind": kind, "state": sampler.state_dict(), "generator": generator}
+
+    def _restore_position(self, path: Path, meta: dict[str, Any], target: dict[str, Any], dataloader: Any) -> None:
+        """The data position and the generators; per-rank random streams are re-seeded from the run's seed,
+        the step and the rank on another world size."""
+        rank, world = self._control.rank, self._control.world
+        same_world = meta["world_size"] == world
+        generators = _Generators(target.get(f"rng.rank{rank}") if same_world else None)
+        if generators.states is None:
+            rng.reseed(rng.derive_seed(meta["seed"], meta["step"], rank, world))
+        data: list[Any] = [target.get(f"data.rank{r}") for r in range(meta["world_size"])]
+        if dataloader is None or any(d is None for d in data):  # no position saved: only with strict=False
+            self._restore(generators, None)
+            return
+        kind, sampler, loader = loader_parts(dataloader)
+        if any(d["kind"] != kind for d in data):
+            raise CheckpointError(f"holds a {data[0]['kind']} data position, and a {kind} was given", file=str(path))
+        if kind == "stateful":
+            if not same_world:
+                raise CheckpointError(
+                    f"was saved on {meta['world_size']} ranks and is resumed on {world}: a "
+                    "StatefulDataLoader's state is one rank's share of the data and cannot be split anew; use a "
+                    "ResumableSampler, or resume without dataloader= to start the data afresh", file=str(path))
+            loader.load_state_dict(from_plain(data[rank]["state"]))
+            # StatefulDataLoader makes its iterator here, drawing from the global generator; the restore
+            # below comes after that draw, so the resumed run's streams match the uninterrupted one's
+            loader.state_dict()
+            self._restore(generators, None)
+            return
+        assert sampler is not None
+        sampler.load_states([data[rank]["state"]] if same_world else [d["state"] for d in data], same_world=same_world)
+        if loader is None:  # the sampler alone: whoever iterates it makes no draw of its own
+            self._restore(generators, None)
+            return
+        generators.loader = data[rank]["generator"] if same_world else None
+        in_pass = any(d["state"].get("in_pass", not d["state"]["complete"]) for d in data)
+        # A DataLoader draws from a generator when it makes an iterator. When no pass was in progress at the
+        # save (an epoch had ended, or none had begun) the uninterrupted run makes one at this point too
+        # (unless its workers persist, keeping theirs), so the generators are restored now and the draws
+        # match. Mid-pass it made none: the restore waits for the resumed loader's first index, which comes
+        # after that loader's draw.
+        if not in_pass and not (loader.persistent_workers and loader.num_workers > 0):
+            self._restore(generators, loader)
+        else:
+            self._pending = generators
+            sampler._on_first_index = lambda: self._restore(generators, loader)
+
+    def _restore(self, generators: _Generators, loader: Any) -> None:
+        self._pending = None
+        if generators.states is not None:
+            rng.restore(generators.states)
+        if generators.loader is not None and isinstance(getattr(loader, "generator", None), torch.Generator):
+            loader.generator.set_state(torch.frombuffer(bytearray(generators.loader), dtype=torch.uint8))
