@@ -25,6 +25,7 @@ if str(TESTS_DIR) not in sys.path:
 
 from fixtures import builders  # noqa: E402
 from fixtures.cache import cached_build  # noqa: E402
+from hostile_support import make_dcp_seed, make_hf_folder  # noqa: E402
 
 
 def _cached(name: str, build: Callable[[Path], None]) -> Path:
@@ -178,3 +179,15 @@ def browser():
         chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         yield chromium
         chromium.close()
+
+
+@pytest.fixture(scope="session")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small sharded HF folder (index + two safetensors shards), the seed the hostile-input tests mutate."""
+    return make_hf_folder(tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(scope="session")
+def dcp_seed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small DCP checkpoint, the seed the hostile-input tests mutate."""
+    return make_dcp_seed(tmp_path_factory.mktemp("dcp") / "ckpt")

@@ -592,6 +592,9 @@ def test_mangled_layout_records_are_refused(mangle_target: Path, data: st.DataOb
     path = data.draw(st.sampled_from(LAYOUT_RECORDS))
     template, original, replacement = mangle(data, path)
     assume(not same_value(original, replacement))
+    # an empty `params` list is no damage: the reader then takes the state in its stored order, which is this
+    # file's order (test_mangled_unread_records_change_no_tensor's kind of record)
+    assume(not (path[-1] == "params" and isinstance(replacement, list) and not replacement))
     victim = mangle_target / TAG / optim_file("zero2_fp32", 1)
     torch.save(template, victim)
     with pytest.raises(HeaderError) as caught:

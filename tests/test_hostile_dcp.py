@@ -21,7 +21,6 @@ from hostile_support import (
     edits,
     huge_memo_index,
     load_metadata,
-    make_dcp_seed,
     mutate,
     outcome,
     reference_stream,
@@ -47,10 +46,6 @@ from tensormorph.formats import dcp as dcp_format
 
 pytestmark = pytest.mark.timeout(120)
 
-
-@pytest.fixture(scope="module")
-def dcp_seed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_dcp_seed(tmp_path_factory.mktemp("dcp") / "ckpt")
 
 
 def nul_in_stored_path(blob: bytes) -> bool:

@@ -16,7 +16,6 @@ from hostile_support import (
     TRUTH,
     edits,
     json_values,
-    make_hf_folder,
     mutate,
     outcome,
     replace_file,
@@ -30,10 +29,6 @@ from tensormorph.errors import CheckpointError, HeaderError, MissingFileError, T
 
 pytestmark = pytest.mark.timeout(120)
 
-
-@pytest.fixture(scope="module")
-def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_hf_folder(tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,6 @@ from hostile_support import (
     SHARD2,
     copy_dcp,
     load_metadata,
-    make_dcp_seed,
-    make_hf_folder,
     outcome,
     save_metadata,
     write_index,
@@ -27,14 +25,6 @@ from tensormorph.errors import CheckpointError, MissingFileError, TensorNotFound
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_hf_folder(tmp_path_factory.mktemp("hf"))
-
-
-@pytest.fixture(scope="module")
-def dcp_seed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_dcp_seed(tmp_path_factory.mktemp("dcp") / "ckpt")
 
 
 @pytest.mark.parametrize("target, error, message", [

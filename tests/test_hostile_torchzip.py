@@ -177,8 +177,16 @@ def test_torch_zip_structural_edits_as_the_zip_reference_reads_them(data: st.Dat
             return
         event(expected.__name__)
         result = outcome(lambda: tm.open(path, "torch"))
-        assert type(result) is expected, result
+        if expected in DAMAGE:
+            # with several records damaged, which one is met first depends on the order of reading: a damaged
+            # archive is refused as damaged (a bad record or one cut short), never read and never another error
+            assert type(result) in DAMAGE, result
+        else:
+            assert type(result) is expected, result
         assert str(path) in str(result)
+
+
+DAMAGE = (HeaderError, TruncatedFileError)
 
 
 def test_torch_detection_of_a_zip_with_an_unsupported_version(torch_seed: bytes, tmp_path: Path) -> None:

@@ -81,9 +81,11 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
                                 label=f"rank {group.rank} writing redundancy: ")
         errors += failures(extras)
 
+    if errors:  # every rank holds the same outcomes: all refuse together, no collective needed
+        save.abort()
+        raise CheckpointError(f"save did not commit: {'; '.join(errors)}", file=os.fspath(path))
+
     def commit() -> None:
-        if errors:
-            raise CheckpointError("; ".join(errors))
         merged: dict[str, Any] = {}
         for result in reversed(results):  # the lowest rank's value wins for names several ranks hold
             merged.update({name: decode_value(value) for name, value in result.unwrap().objects.items()})

@@ -12,8 +12,6 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ..core import Checkpoint
 from ..formats import opened
 from .spec import PlanError, accelerate_device
@@ -21,10 +19,6 @@ from .spec import PlanError, accelerate_device
 if TYPE_CHECKING:  # for annotations only: result imports this module for Plan.load
     from .result import Plan
 
-_TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
-                 "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64",
-                 "BOOL": "bool"}
 _PLAN_DTYPES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 
 
@@ -46,22 +40,13 @@ def resident(model: Any) -> dict[str, int]:
     return held
 
 
-def _to_torch(array: np.ndarray, dtype: str) -> Any:
-    import torch
-
-    target = getattr(torch, _TORCH_DTYPES[dtype])
-    if dtype == "BF16" or dtype.startswith("F8"):
-        # ml_dtypes arrays (bf16, fp8) reach torch as raw unsigned integers of the same width
-        raw = array.view({1: np.uint8, 2: np.uint16}[array.dtype.itemsize])
-        return torch.from_numpy(raw).view(target)
-    return torch.from_numpy(array)
-
-
 def load_plan(plan: Plan, checkpoint: str | Path | Checkpoint, model: Any = None,
               devices: Mapping[str, int | str] | None = None) -> Any:
     """See `Plan.load`: each tensor is read, cast when the plan set a dtype, and moved to its device alone,
     so host memory holds one tensor at a time."""
     import torch
+
+    from ..torch_arrays import to_torch  # imports torch: only loading a plan needs it
 
     if plan.device_map is None:
         raise PlanError("a tensor-parallel plan is loaded by a tensor-parallel runtime (vLLM, llama.cpp "
@@ -79,7 +64,7 @@ def load_plan(plan: Plan, checkpoint: str | Path | Checkpoint, model: Any = None
                                 "another model?)", file=str(ck.path), tensor=name)
             if name in tied:
                 continue  # the model ties it to the tensor it shares storage with
-            value = _to_torch(tensor.full(force=True), tensor.dtype)
+            value = to_torch(tensor.full(force=True), tensor.dtype)
             if cast is not None and value.is_floating_point():
                 value = value.to(cast)
             value = value.to(target[plan.device_map[unit_of[name]]])
