@@ -21,7 +21,7 @@ import numpy as np
 from . import dtypes
 from .errors import BudgetExceededError, CheckpointError, ChunkLayoutError, TensorNotFoundError
 from .geometry import byte_runs
-from .storage import ByteStore, MappableStore
+from .storage import MappableStore
 from .units import human_bytes
 
 DEFAULT_READ_BUDGET = 2 * 1024**3
@@ -300,7 +300,7 @@ class Checkpoint(Mapping[str, LogicalTensor]):
     objects: Mapping[str, ObjectEntry] = field(default_factory=dict)
     metadata: Mapping[str, Any] = field(default_factory=dict)
     files: tuple[str, ...] = ()  # data files, relative to the checkpoint folder
-    storage: ByteStore | None = field(default=None, repr=False)
+    storage: MappableStore | None = field(default=None, repr=False)  # every reader opens a checkpoint on one
 
     def __getitem__(self, name: str) -> LogicalTensor:
         try:
@@ -320,6 +320,12 @@ class Checkpoint(Mapping[str, LogicalTensor]):
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+    def require_storage(self) -> MappableStore:
+        """The byte store its reader opened it on; CheckpointError for a Checkpoint built without one."""
+        if self.storage is None:
+            raise CheckpointError("has no byte store: it was not opened by a format reader", file=str(self.path))
+        return self.storage
 
     @property
     def header_bytes_read(self) -> int:

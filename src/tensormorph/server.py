@@ -37,7 +37,6 @@ from .ops.stats import tensor_stats
 from .ops.summary import describe, tensor_record
 from .ops.tiles import MAX_PIXELS, View, histogram, tile
 from .planner import Workload, plan
-from .storage import LocalFiles
 
 WEB = Path(__file__).resolve().parent / "web"
 ESTIMATED_READ_RATE = 1e9  # bytes/s, for the cost shown before a full read
@@ -144,10 +143,9 @@ class Viewer:
             ck.close()
 
 
-def _file_identity(ck: Checkpoint, file: str) -> list[Any]:
-    path = ck.storage.resolve(file) if isinstance(ck.storage, LocalFiles) else Path(file)
-    stat = path.stat()
-    return [str(path), stat.st_size, stat.st_mtime_ns]
+def _file_identity(ck: Checkpoint, file: str) -> tuple[str, int, int | str]:
+    """Where the file is, its size and its modification time: a rewritten file gets new tiles."""
+    return ck.require_storage().fingerprint(file)
 
 
 def default_cache_dir() -> Path:

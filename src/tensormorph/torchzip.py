@@ -115,7 +115,7 @@ _TENSOR_TYPE = object()
 _PARAMETER_TYPE = object()
 
 
-class _Window(io.RawIOBase):
+class BufferFile(io.RawIOBase):
     """A seekable read-only file over a memoryview, so zipfile reads only what it needs."""
 
     def __init__(self, buffer: memoryview):
@@ -173,7 +173,7 @@ def _load(buffer: memoryview, file: str, item: str | None, extra_globals: safe_p
             file=file, tensor=item)
     if not is_torch_zip(bytes(buffer[:4])):
         raise HeaderError("is not a torch.save zip archive (missing the PK zip signature)", file=file, tensor=item)
-    archive = zipfile.ZipFile(_Window(buffer))
+    archive = zipfile.ZipFile(BufferFile(buffer))
     records = {info.filename: info for info in archive.infolist()}
     pickles = [name for name in records if name.endswith("/data.pkl") or name == "data.pkl"]
     if len(pickles) != 1:
@@ -234,7 +234,7 @@ def _load(buffer: memoryview, file: str, item: str | None, extra_globals: safe_p
 def check_crc(buffer: memoryview, *, file: str, item: str | None = None) -> None:
     """Raise ChecksumError when a record of the archive does not match the CRC-32 the zip recorded."""
     try:
-        bad = zipfile.ZipFile(_Window(buffer)).testzip()
+        bad = zipfile.ZipFile(BufferFile(buffer)).testzip()
     except Exception as exc:  # a damaged directory raises many types
         raise HeaderError(f"not a readable zip archive ({type(exc).__name__}: {exc})", file=file, tensor=item) from None
     if bad is not None:

@@ -3,7 +3,8 @@
 `detect` judges a path by its content and returns what it found (a `Detection`), which `open` reuses
 instead of searching and reading again; `tm.open(path, format=...)` skips detection and hands `open`
 a Detection of the bare path. Readers return data (a `Checkpoint` of frozen records) and read bytes
-only through the checkpoint's byte store.
+only through the checkpoint's byte store: `open` makes the store, and everything after it uses only the
+`storage.ByteStore` / `MappableStore` protocols, never asking which store it has.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import Any, Protocol
 
 from ..core import Checkpoint
 from ..errors import CheckpointError
-from ..storage import LocalFiles
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,3 @@ class FormatReader(Protocol):
 def no_checksums(checkpoint: Checkpoint) -> Problems:
     """For formats that record no checksums: there is nothing to check beyond what opening validated."""
     return iter(())
-
-
-def local_store(checkpoint: Checkpoint) -> LocalFiles | None:
-    """The folder store that a reader of local files only (DCP, Megatron, torch pickles) opened `checkpoint` with."""
-    return checkpoint.storage if isinstance(checkpoint.storage, LocalFiles) else None

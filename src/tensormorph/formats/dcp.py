@@ -30,8 +30,8 @@ from ..errors import (
     UnsafePickleError,
     UnsupportedError,
 )
-from ..storage import LocalFiles
-from .contract import Detection, local_store
+from ..storage import ByteStore, LocalFiles, MappableStore
+from .contract import Detection
 
 NAME = "dcp"
 
@@ -101,7 +101,7 @@ class _Item:
 class DcpItemArray:
     """A tensor chunk stored as a torch.save archive at (offset, length) of a .distcp file."""
 
-    files: LocalFiles
+    files: MappableStore
     item: _Item
     name: str
     dtype: str
@@ -148,7 +148,7 @@ class DcpItemArray:
 
     @cached_property
     def _path(self) -> str:
-        return str(self.files.resolve(self.item.file))
+        return self.files.describe(self.item.file)
 
 
 def _single_tensor(value: Any, file: str, name: str) -> torchzip.TensorRef:
@@ -157,12 +157,12 @@ def _single_tensor(value: Any, file: str, name: str) -> torchzip.TensorRef:
     return value
 
 
-def _item_bytes(files: LocalFiles, item: _Item, name: str, *, limit: int) -> memoryview:
+def _item_bytes(files: MappableStore, item: _Item, name: str, *, limit: int) -> memoryview:
     """The item's archive bytes: a view of the mapped file, or decompressed when transformed."""
     raw = files.buffer(item.file)[item.offset:item.offset + item.length]
     if not item.transforms:
         return raw
-    path = str(files.resolve(item.file))
+    path = files.describe(item.file)
     if list(item.transforms) != ["stream.zstd/1"] and not all(t.startswith("stream.zstd/") for t in item.transforms):
         raise UnsupportedError(f"item uses transforms {list(item.transforms)}; only zstd ('stream.zstd/1') is "
                                "supported", file=path, tensor=name)
@@ -178,22 +178,22 @@ def _item_bytes(files: LocalFiles, item: _Item, name: str, *, limit: int) -> mem
     return memoryview(data)
 
 
-def _decode_object(files: LocalFiles, item: _Item, name: str) -> Any:
-    path = str(files.resolve(item.file))
+def _decode_object(files: MappableStore, item: _Item, name: str) -> Any:
+    path = files.describe(item.file)
     value = torchzip.load(_item_bytes(files, item, name, limit=MAX_OBJECT_BYTES), file=path, item=name)
     if not safe_pickle.is_plain(value):
         raise UnsafePickleError(f"holds a {type(value).__name__}, which is not plain data", file=path, tensor=name)
     return value
 
 
-def _read_metadata(files: LocalFiles, name: str) -> Any:
+def _read_metadata(files: ByteStore, name: str) -> Any:
     size = files.size(name)
     if size > MAX_METADATA_BYTES:
-        raise HeaderError(f"is {size} bytes, over the {MAX_METADATA_BYTES}-byte limit", file=str(files.resolve(name)))
+        raise HeaderError(f"is {size} bytes, over the {MAX_METADATA_BYTES}-byte limit", file=files.describe(name))
     data = files.read(name, 0, size)
-    record = safe_pickle.loads(data, _metadata_globals(), file=str(files.resolve(name)))
+    record = safe_pickle.loads(data, _metadata_globals(), file=files.describe(name))
     if type(record).__name__ != "Metadata":
-        raise HeaderError(f"holds a {type(record).__name__}, not DCP Metadata", file=str(files.resolve(name)))
+        raise HeaderError(f"holds a {type(record).__name__}, not DCP Metadata", file=files.describe(name))
     return record
 
 
@@ -245,24 +245,14 @@ def _plain(value: Any) -> Any:
 
 @dataclass
 class _Parsed:
-    root: Path
-    files: LocalFiles
-    metadata_paths: list[Path]
     records: list[Any]
     state: dict[str, Any]
     storage: dict[tuple[str, tuple[int, ...] | None], _Item]
 
 
-def _parse(path: Path, files: LocalFiles | None = None, metadata_paths: list[Path] | None = None) -> _Parsed:
-    """Read and merge the metadata file(s) (those detection found, or found now): the entries and where each
-    item is stored."""
-    metadata_paths = metadata_paths or _metadata_files(path)
-    if not metadata_paths:
-        raise HeaderError("no .metadata file: not a finished DCP checkpoint", file=str(path))
-    root = metadata_paths[0].parent
-    files = files or LocalFiles(root)
-    records = [_read_metadata(files, p.name) for p in metadata_paths]
-    where = str(metadata_paths[0])
+def _parse(files: ByteStore, metadata_names: list[str], where: str) -> _Parsed:
+    """Read and merge the metadata file(s): the entries and where each item is stored."""
+    records = [_read_metadata(files, name) for name in metadata_names]
     state: dict[str, Any] = {}
     storage: dict[tuple[str, tuple[int, ...] | None], _Item] = {}
     for record in records:
@@ -276,16 +266,17 @@ def _parse(path: Path, files: LocalFiles | None = None, metadata_paths: list[Pat
                 state[fqn] = entry
         for index, info in (_attr(record, "storage_data", where, dict) or {}).items():
             storage[_storage_key(index, where)] = _item(info, files, where)
-    return _Parsed(root, files, metadata_paths, records, state, storage)
+    return _Parsed(records, state, storage)
 
 
 def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointError | None]]:
     """Check the CRC-32 that every item's zip records for each of its records."""
-    parsed = _parse(checkpoint.path, local_store(checkpoint))
-    for (fqn, _offsets), item in parsed.storage.items():
+    files = checkpoint.require_storage()
+    names = checkpoint.metadata["metadata_files"]  # the ones open read
+    for (fqn, _offsets), item in _parse(files, names, files.describe(names[0])).storage.items():
         try:
-            buffer = _item_bytes(parsed.files, item, fqn, limit=MAX_OBJECT_BYTES)
-            torchzip.check_crc(buffer, file=str(parsed.files.resolve(item.file)), item=fqn)
+            buffer = _item_bytes(files, item, fqn, limit=MAX_OBJECT_BYTES)
+            torchzip.check_crc(buffer, file=files.describe(item.file), item=fqn)
         except CheckpointError as exc:
             yield fqn, exc
         else:
@@ -293,9 +284,13 @@ def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointE
 
 
 def open(detection: Detection) -> Checkpoint:
-    parsed = _parse(detection.path, metadata_paths=detection.found)
-    root, files, records, state, storage = parsed.root, parsed.files, parsed.records, parsed.state, parsed.storage
-    metadata_paths, where = parsed.metadata_paths, str(parsed.metadata_paths[0])
+    metadata_paths = detection.found or _metadata_files(detection.path)
+    if not metadata_paths:
+        raise HeaderError("no .metadata file: not a finished DCP checkpoint", file=str(detection.path))
+    root, where = metadata_paths[0].parent, str(metadata_paths[0])
+    files: MappableStore = LocalFiles(root)
+    parsed = _parse(files, [p.name for p in metadata_paths], where)
+    records, state, storage = parsed.records, parsed.state, parsed.storage
 
     data_files = sorted({item.file for item in storage.values()})
     sizes = {}
@@ -305,11 +300,11 @@ def open(detection: Detection) -> Checkpoint:
         except MissingFileError:
             held = sorted(fqn for (fqn, _), item in storage.items() if item.file == file)
             raise MissingFileError(f"data file is missing; {where} places {len(held)} item(s) in it",
-                                   file=str(files.resolve(file)), tensor=held[0]) from None
+                                   file=files.describe(file), tensor=held[0]) from None
     for key, item in storage.items():
         if item.offset < 0 or item.length < 0 or item.offset + item.length > sizes[item.file]:
             raise TruncatedFileError(f"item [{item.offset}, {item.offset + item.length}) lies past the end of the "
-                                     f"{sizes[item.file]}-byte file", file=str(files.resolve(item.file)), tensor=key[0])
+                                     f"{sizes[item.file]}-byte file", file=files.describe(item.file), tensor=key[0])
 
     tensors: dict[str, LogicalTensor] = {}
     objects: dict[str, ObjectEntry] = {}
@@ -345,18 +340,18 @@ def _storage_key(index: Any, where: str) -> tuple[str, tuple[int, ...] | None]:
     return fqn, None if offset is None else _ints(offset, "MetadataIndex.offset", where, fqn)
 
 
-def _item(info: Any, files: LocalFiles, where: str) -> _Item:
+def _item(info: Any, files: ByteStore, where: str) -> _Item:
     relative = _attr(info, "relative_path", where, str)
     offset = _attr(info, "offset", where, int)
     length = _attr(info, "length", where, int)
     transforms = _attr(info, "transform_descriptors", where, (list, tuple), default=None) or ()
-    files.resolve(relative, referrer=where)
+    files.describe(relative, referrer=where)  # refuses a file outside the folder, naming the metadata file
     if not all(isinstance(t, str) for t in transforms):
         raise HeaderError(f"transform_descriptors should be strings, found {transforms!r}", file=where)
     return _Item(relative, offset, length, tuple(transforms))
 
 
-def _tensor(fqn: str, entry: Any, storage: dict, files: LocalFiles, where: str) -> LogicalTensor:
+def _tensor(fqn: str, entry: Any, storage: dict, files: MappableStore, where: str) -> LogicalTensor:
     dtype = _dtype_of(getattr(entry, "properties", None), where, fqn)
     shape = _ints(getattr(entry, "size", None), "size", where, fqn)
     if any(d < 0 for d in shape):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..core import Checkpoint, Chunk, LogicalTensor, validate_tiling
 from ..errors import HeaderError
-from ..storage import LocalFiles
+from ..storage import LocalFiles, MappableStore
 from . import safetensors as st
 from .contract import Detection, no_checksums
 
@@ -53,7 +53,7 @@ def open(detection: Detection) -> Checkpoint:
     path = detection.path
     candidates = detection.found or _files(path)
     root = path if path.is_dir() else path.parent
-    files = LocalFiles(root)
+    files: MappableStore = LocalFiles(root)
     pieces: dict[str, list[Chunk]] = {}
     dtypes: dict[str, tuple[str, str]] = {}
     file_metadata = {}

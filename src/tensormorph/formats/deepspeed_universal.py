@@ -18,7 +18,7 @@ from typing import Any
 from .. import torchzip
 from ..core import Checkpoint, LogicalTensor, ObjectEntry
 from ..errors import CheckpointError, HeaderError
-from ..storage import LocalFiles
+from ..storage import LocalFiles, MappableStore
 from . import deepspeed
 from .contract import Detection
 from .torch_pickle import tensor_chunk
@@ -48,20 +48,20 @@ def detect(path: Path) -> Detection | None:
     return Detection(path, folder) if found else None
 
 
-def _tensor(files: LocalFiles, name: str, file: str) -> LogicalTensor:
+def _tensor(files: MappableStore, name: str, file: str) -> LogicalTensor:
     """One parameter's file: a tensor, or {'param': tensor, 'cat_dim': ...} as DeepSpeed writes for stages 1-2."""
     value = deepspeed.load(files, file)
     if isinstance(value, dict):
         value = value.get("param")
     if not isinstance(value, torchzip.TensorRef):
-        raise HeaderError("should hold a tensor (or a dict whose 'param' is one)", file=str(files.resolve(file)),
+        raise HeaderError("should hold a tensor (or a dict whose 'param' is one)", file=files.describe(file),
                           tensor=name)
     return LogicalTensor(name, value.dtype, value.shape, (tensor_chunk(files, file, value),))
 
 
 def open(detection: Detection) -> Checkpoint:
     folder = detection.found or _folder(detection.path)
-    files = LocalFiles(folder)
+    files: MappableStore = LocalFiles(folder)
     zero = folder / ZERO
     if not zero.is_dir():
         raise HeaderError(f"has no {ZERO}/ folder of per-parameter files", file=str(folder))
@@ -98,7 +98,7 @@ def open(detection: Detection) -> Checkpoint:
     if files.exists(optimizer_file):
         settings = deepspeed.load(files, optimizer_file)
         if not isinstance(settings, dict):
-            raise HeaderError("should hold the optimizer's settings as a dict", file=str(files.resolve(optimizer_file)))
+            raise HeaderError("should hold the optimizer's settings as a dict", file=files.describe(optimizer_file))
         groups = settings.get("param_groups")
         rest = {k: v for k, v in settings.items() if k not in deepspeed.FLAT_KEYS and k != "param_groups"}
         objects.update(deepspeed.optimizer_objects(files, optimizer_file, rest,

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..core import Checkpoint, LogicalTensor, ObjectEntry
 from ..errors import HeaderError, MissingFileError, TensorNotFoundError
-from ..storage import LocalFiles
+from ..storage import ByteStore, LocalFiles, MappableStore
 from . import safetensors as st
 from . import torch_pickle
 from .contract import Detection
@@ -67,9 +67,9 @@ def _is_index(index: Path) -> bool:
     return isinstance(content, dict) and "weight_map" in content
 
 
-def read_index(files: LocalFiles, name: str) -> tuple[dict[str, str], dict[str, Any]]:
+def read_index(files: ByteStore, name: str) -> tuple[dict[str, str], dict[str, Any]]:
     """(weight_map, metadata) of an index file, validated."""
-    path = str(files.resolve(name))
+    path = files.describe(name)
     index = files.read_json(name, MAX_INDEX_BYTES, "index")
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise HeaderError("index must be a JSON object with a 'weight_map' object", file=path)
@@ -78,7 +78,7 @@ def read_index(files: LocalFiles, name: str) -> tuple[dict[str, str], dict[str, 
         if not isinstance(file, str):
             raise HeaderError(f"weight_map value must be a file name, found {file!r}", file=path, tensor=tensor)
     for file in set(weight_map.values()):
-        files.resolve(file, referrer=path)
+        files.describe(file, referrer=path)  # refuses a file outside the folder, naming the index
     metadata = index.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise HeaderError("index 'metadata' must be an object", file=path)
@@ -94,7 +94,7 @@ def open(detection: Detection) -> Checkpoint:
             raise HeaderError("no *.index.json and not a folder of several safetensors files", file=str(path))
         root, weight_map = path, None
         metadata: dict[str, Any] = {}
-        files = LocalFiles(root)
+        files: MappableStore = LocalFiles(root)
         shard_names = [p.name for p in shards]
     else:
         root = index.parent
@@ -114,7 +114,7 @@ def open(detection: Detection) -> Checkpoint:
         if not files.exists(shard):
             held = sorted(by_shard.get(shard, ()))
             raise MissingFileError(f"shard file is missing; {where} places {len(held)} tensor(s) in it",
-                                   file=str(files.resolve(shard)), tensor=held[0] if held else None)
+                                   file=files.describe(shard), tensor=held[0] if held else None)
         found, found_objects, extra = _read_shard(files, shard, (number, len(shard_names)))
         if extra:
             file_metadata[shard] = extra
@@ -131,7 +131,7 @@ def open(detection: Detection) -> Checkpoint:
             missing = sorted(expected - found.keys())
             if missing:
                 raise TensorNotFoundError(f"the index assigns it to {shard!r}, which does not contain it",
-                                          file=str(files.resolve(shard)), tensor=missing[0])
+                                          file=files.describe(shard), tensor=missing[0])
     if weight_map is not None:
         tensors = {name: tensors[name] for name in weight_map}  # the index's order
     metadata = {**metadata, "index": index.name if index else None}
@@ -144,14 +144,14 @@ def open(detection: Detection) -> Checkpoint:
 checksum_problems = torch_pickle.checksum_problems  # .bin shards are torch.save zips; safetensors records none
 
 
-def _read_shard(files: LocalFiles, shard: str, file_shard: tuple[int, int]
+def _read_shard(files: MappableStore, shard: str, file_shard: tuple[int, int]
                 ) -> tuple[dict[str, LogicalTensor], dict[str, ObjectEntry], dict]:
-    if shard.endswith(".safetensors") or st.looks_like_safetensors(files.resolve(shard)):
+    if shard.endswith(".safetensors") or st.holds_safetensors(files, shard):
         header = st.read_header(files, shard)
         tensors = {e.name: LogicalTensor(e.name, e.dtype, e.shape, (st.whole_chunk(files, e, shard),),
                                          file_shard=file_shard) for e in header.entries.values()}
         return tensors, {}, header.metadata
-    if torch_pickle.looks_like_torch(files.resolve(shard)):
+    if torch_pickle.holds_torch_save(files, shard):
         tensors, objects = torch_pickle.read_file(files, shard)
         return {n: replace(t, file_shard=file_shard) for n, t in tensors.items()}, objects, {}
-    raise HeaderError("shard is neither a safetensors nor a torch.save file", file=str(files.resolve(shard)))
+    raise HeaderError("shard is neither a safetensors nor a torch.save file", file=files.describe(shard))

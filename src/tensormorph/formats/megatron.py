@@ -19,9 +19,9 @@ from typing import Any
 from .. import safe_pickle, torchzip
 from ..core import Checkpoint, ObjectEntry
 from ..errors import CheckpointError, HeaderError, MissingFileError, UnsafePickleError, UnsupportedError
-from ..storage import LocalFiles
+from ..storage import ByteStore, LocalFiles, MappableStore
 from . import dcp
-from .contract import Detection, local_store
+from .contract import Detection
 
 NAME = "megatron-torch-dist"
 
@@ -70,9 +70,9 @@ def detect(path: Path) -> Detection | None:
     return Detection(path, _folder(path)) if isinstance(content, dict) and "sharded_backend" in content else None
 
 
-def read_config(files: LocalFiles) -> dict[str, Any]:
+def read_config(files: ByteStore) -> dict[str, Any]:
     """metadata.json, validated: the backend names and versions."""
-    path = str(files.resolve(CONFIG_FILE))
+    path = files.describe(CONFIG_FILE)
     config = files.read_json(CONFIG_FILE, MAX_CONFIG_BYTES, CONFIG_FILE)
     if not isinstance(config, dict) or not isinstance(config.get("sharded_backend"), str):
         raise HeaderError(f"should be an object with a string 'sharded_backend', found {str(config)[:80]!r}",
@@ -85,19 +85,20 @@ def read_config(files: LocalFiles) -> dict[str, Any]:
 
 def open(detection: Detection) -> Checkpoint:
     folder = detection.found or _folder(detection.path)
-    files = LocalFiles(folder)
-    config = read_config(files)
+    config_files: ByteStore = LocalFiles(folder)  # the DCP reader opens the checkpoint's own store below
+    config = read_config(config_files)
     backend = config["sharded_backend"]
     if backend != SUPPORTED_BACKEND:
         raise UnsupportedError(f"the checkpoint uses Megatron-Core's {backend!r} backend; only "
                                f"{SUPPORTED_BACKEND!r} (a DCP checkpoint) is supported",
-                               file=str(files.resolve(CONFIG_FILE)))
+                               file=config_files.describe(CONFIG_FILE))
     checkpoint = dcp.open(Detection(folder))
-    common = _common_objects(local_store(checkpoint) or files)
+    files = checkpoint.require_storage()
+    common = _common_objects(files)
     for name in common:
         if name in checkpoint.objects or name in checkpoint.tensors:
             raise HeaderError(f"{COMMON_FILE} and the DCP items both hold {name!r}",
-                              file=str(files.resolve(COMMON_FILE)), tensor=name)
+                              file=files.describe(COMMON_FILE), tensor=name)
     # megatron-core stores each ShardedObject as a DCP item holding the list of this rank's pieces of it
     sharded = {name: replace(entry, loader=partial(_one_piece, entry))
                for name, entry in checkpoint.objects.items()}
@@ -110,9 +111,9 @@ def _one_piece(entry: ObjectEntry) -> Any:
     return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
-def _common_objects(files: LocalFiles) -> dict[str, ObjectEntry]:
+def _common_objects(files: MappableStore) -> dict[str, ObjectEntry]:
     """One object per top-level key of common.pt; when it cannot be read, one object whose value raises why."""
-    path = str(files.resolve(COMMON_FILE))
+    path = files.describe(COMMON_FILE)
     if not files.exists(COMMON_FILE):
         raise MissingFileError("is missing; Megatron-Core writes the non-sharded state (iteration, args) there",
                                file=path)
@@ -143,9 +144,9 @@ def _plain(value: Any, name: str, path: str) -> Any:
 def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointError | None]]:
     """The CRC-32s of every DCP item's zip records, then of common.pt's."""
     yield from dcp.checksum_problems(checkpoint)
-    files = local_store(checkpoint) or LocalFiles(checkpoint.path)
+    files = checkpoint.require_storage()
     try:
-        torchzip.check_crc(files.buffer(COMMON_FILE), file=str(files.resolve(COMMON_FILE)))
+        torchzip.check_crc(files.buffer(COMMON_FILE), file=files.describe(COMMON_FILE))
     except CheckpointError as exc:
         yield COMMON_FILE, exc
     else:

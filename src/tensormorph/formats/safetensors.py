@@ -10,7 +10,7 @@ from pathlib import Path
 from .. import dtypes
 from ..core import MAX_DIM, Checkpoint, Chunk, LogicalTensor, MappedArray
 from ..errors import HeaderError, TruncatedFileError
-from ..storage import LocalFiles
+from ..storage import ByteStore, LocalFiles, MappableStore
 from .contract import Detection, no_checksums
 
 NAME = "safetensors"
@@ -45,15 +45,28 @@ def looks_like_safetensors(path: Path) -> bool:
             size = f.seek(0, 2)
     except OSError:
         return False
+    return _plausible(head, size)
+
+
+def holds_safetensors(files: MappableStore, name: str) -> bool:
+    """`looks_like_safetensors` for a file of a store (its first page, mapped)."""
+    try:
+        buffer = files.buffer(name)
+    except OSError:
+        return False
+    return _plausible(bytes(buffer[:9]), len(buffer))
+
+
+def _plausible(head: bytes, size: int) -> bool:
     if len(head) < 9 or head[8:9] != b"{":
         return False
     (length,) = struct.unpack("<Q", head[:8])
     return length <= min(MAX_HEADER_BYTES, size - 8)
 
 
-def read_header(files: LocalFiles, name: str) -> Header:
+def read_header(files: ByteStore, name: str) -> Header:
     """Parse and validate one file's header; every problem is a HeaderError naming the file."""
-    path = str(files.resolve(name))
+    path = files.describe(name)
     size, length, raw = files.read_prefixed(name, MAX_HEADER_BYTES)
     if size < 8:
         raise TruncatedFileError(f"is {size} bytes long; a safetensors file starts with an 8-byte header length",
@@ -118,7 +131,7 @@ def _entry(path: str, tensor: str, info: object, data_start: int, data_len: int)
     return Entry(tensor, dtype, tuple(shape), data_start + begin, data_start + end)
 
 
-def whole_chunk(files: LocalFiles, entry: Entry, file: str, *, offsets: tuple[int, ...] | None = None,
+def whole_chunk(files: MappableStore, entry: Entry, file: str, *, offsets: tuple[int, ...] | None = None,
                 ranks: tuple[int, ...] = ()) -> Chunk:
     """A chunk for one header entry, placed at `offsets` of its logical tensor (origin by default)."""
     return Chunk(
@@ -152,7 +165,7 @@ def open(detection: Detection) -> Checkpoint:
             raise HeaderError(f"expected exactly one .safetensors file in the folder, found {len(candidates)}",
                               file=str(path))
         file_path = candidates[0]
-    files = LocalFiles(file_path.parent)
+    files: MappableStore = LocalFiles(file_path.parent)
     header = read_header(files, file_path.name)
     tensors = {
         e.name: LogicalTensor(e.name, e.dtype, e.shape, (whole_chunk(files, e, file_path.name),))

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import io
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
 from .. import dtypes, torchzip
 from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray, ObjectEntry, in_memory
 from ..errors import CheckpointError, ChecksumError, HeaderError
-from ..storage import LocalFiles
-from .contract import Detection, local_store
+from ..storage import LocalFiles, MappableStore
+from .contract import Detection
 
 NAME = "torch"
 
@@ -24,19 +26,27 @@ LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
 def looks_like_torch(path: Path) -> bool:
     try:
         with path.open("rb") as f:
-            head = f.read(len(LEGACY_MAGIC))
+            return _is_torch_save(f)
     except OSError:
         return False
+
+
+def holds_torch_save(files: MappableStore, name: str) -> bool:
+    """`looks_like_torch` for a file of a store (read through its map: only the pages zipfile touches)."""
+    try:
+        return _is_torch_save(torchzip.BufferFile(files.buffer(name)))
+    except OSError:
+        return False
+
+
+def _is_torch_save(f: IO[bytes] | io.RawIOBase) -> bool:
+    head = f.read(len(LEGACY_MAGIC)) or b""
     if head.startswith(LEGACY_MAGIC):
         return True
-    return torchzip.is_torch_zip(head) and _has_data_pkl(path)
-
-
-def _has_data_pkl(path: Path) -> bool:
-    import zipfile
-
+    if not torchzip.is_torch_zip(head):
+        return False
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(f) as archive:
             return any(n == "data.pkl" or n.endswith("/data.pkl") for n in archive.namelist())
     except Exception:  # detection must not fail: zipfile raises many types on odd input
         return False
@@ -77,7 +87,7 @@ def _has_tensor(value: Any) -> bool:
     return False
 
 
-def tensor_chunk(files: LocalFiles, file: str, ref: torchzip.TensorRef, *, base: int = 0,
+def tensor_chunk(files: MappableStore, file: str, ref: torchzip.TensorRef, *, base: int = 0,
                  offsets: tuple[int, ...] | None = None, ranks: tuple[int, ...] = ()) -> Chunk:
     """A memory-mapped chunk for a tensor of an archive that starts at byte `base` of `file`."""
     dtype = np.dtype(dtypes.numpy_dtype(ref.dtype))
@@ -93,9 +103,9 @@ def tensor_chunk(files: LocalFiles, file: str, ref: torchzip.TensorRef, *, base:
     )
 
 
-def read_file(files: LocalFiles, file: str) -> tuple[dict[str, LogicalTensor], dict[str, ObjectEntry]]:
+def read_file(files: MappableStore, file: str) -> tuple[dict[str, LogicalTensor], dict[str, ObjectEntry]]:
     """The tensors and plain objects of one torch.save file, by dotted name."""
-    tree = torchzip.load(files.buffer(file), file=str(files.resolve(file)))
+    tree = torchzip.load(files.buffer(file), file=files.describe(file))
     tensors: dict[str, LogicalTensor] = {}
     objects: dict[str, ObjectEntry] = {}
     for name, leaf in flatten(tree):
@@ -108,13 +118,12 @@ def read_file(files: LocalFiles, file: str) -> tuple[dict[str, LogicalTensor], d
 
 def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointError | None]]:
     """Check the CRC-32 of every record of every torch.save file of the checkpoint."""
-    files = local_store(checkpoint)
-    assert files is not None, "the torch reader opens a local file or folder"
+    files = checkpoint.require_storage()
     for file in checkpoint.files:
         buffer = files.buffer(file)
         if not torchzip.is_torch_zip(bytes(buffer[:4])):
             continue
-        path = str(files.resolve(file))
+        path = files.describe(file)
         try:
             torchzip.check_crc(buffer, file=path)
         except ChecksumError as exc:
@@ -139,7 +148,7 @@ def open(detection: Detection) -> Checkpoint:
     file_path = detection.found or _single_file(path)
     if file_path is None:
         raise HeaderError(f"expected exactly one of {', '.join(SUFFIXES)} in the folder", file=str(path))
-    files = LocalFiles(file_path.parent)
+    files: MappableStore = LocalFiles(file_path.parent)
     tensors, objects = read_file(files, file_path.name)
     return Checkpoint(path=file_path, format=NAME, tensors=tensors, objects=objects,
                       files=(file_path.name,), storage=files)

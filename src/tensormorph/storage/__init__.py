@@ -25,8 +25,13 @@ class ByteStore(Protocol):
 
     header_bytes_read: int  # bytes read through `read` (headers, indexes, manifests), for the open benchmarks
 
-    def describe(self, name: str) -> str:
-        """The file's full path or URL, for messages."""
+    def describe(self, name: str, *, referrer: str | None = None) -> str:
+        """The file's full path or URL, for messages; UnsafePathError naming `referrer` (the file that gave the
+        name, else the store) when the name leaves the store, so it also checks names a checkpoint gives."""
+        ...
+
+    def fingerprint(self, name: str) -> tuple[str, int, int | str]:
+        """(full path or URL, size, modification time in ns or ETag): changes when the file does, for caches."""
         ...
 
     def exists(self, name: str) -> bool: ...
@@ -39,6 +44,13 @@ class ByteStore(Protocol):
 
     def read(self, name: str, offset: int, length: int) -> bytes:
         """Exactly `length` bytes from `offset` (TruncatedFileError when the file is shorter)."""
+        ...
+
+    def read_prefixed(self, name: str, max_length: int) -> tuple[int, int, bytes]:
+        """(file size, length, the `length` bytes after an 8-byte little-endian length at offset 0).
+
+        length is -1 for a file under 8 bytes; a length over `max_length` or past the end comes back unread.
+        """
         ...
 
     def read_json(self, name: str, max_bytes: int, what: str = "file") -> Any:

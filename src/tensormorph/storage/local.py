@@ -64,8 +64,16 @@ class LocalFiles:
         self._resolved[text] = real
         return real
 
-    def describe(self, name: str) -> str:
-        return str(self.resolve(name))
+    def describe(self, name: str, *, referrer: str | None = None) -> str:
+        return str(self.resolve(name, referrer=referrer))
+
+    def fingerprint(self, name: str) -> tuple[str, int, int]:
+        path = self.resolve(name)
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            raise MissingFileError("file is missing", file=str(path)) from None
+        return str(path), stat.st_size, stat.st_mtime_ns
 
     def exists(self, name: str) -> bool:
         return self.resolve(name).is_file()
@@ -101,10 +109,7 @@ class LocalFiles:
         return self._counted(data, length, offset, path)
 
     def read_prefixed(self, name: str, max_length: int) -> tuple[int, int, bytes]:
-        """(file size, length, the `length` bytes after an 8-byte little-endian length) in one open.
-
-        The header layout of safetensors; `length` above `max_length` is returned without reading.
-        """
+        """(file size, length, the `length` bytes after an 8-byte little-endian length) in one open."""
         path = self.resolve(name)
         try:
             with open(path, "rb") as f:

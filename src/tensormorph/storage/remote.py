@@ -28,13 +28,23 @@ class RemoteFiles:
         self.bytes_read = 0
         self.header_bytes_read = 0
 
-    def _key(self, name: str) -> str:
+    def _key(self, name: str, referrer: str | None = None) -> str:
         if not name or name.startswith("/") or ".." in name.split("/") or "\x00" in name:
-            raise UnsafePathError(f"names file {name!r}, which is outside the checkpoint", file=self.url)
+            raise UnsafePathError(f"names file {name!r}, which is outside the checkpoint", file=referrer or self.url)
         return f"{self.root}/{name}"
 
-    def describe(self, name: str) -> str:
+    def describe(self, name: str, *, referrer: str | None = None) -> str:
+        self._key(name, referrer)
         return f"{self.url}/{name}"
+
+    def fingerprint(self, name: str) -> tuple[str, int, int | str]:
+        try:
+            info = self.fs.info(self._key(name))
+        except FileNotFoundError:
+            raise MissingFileError("file is missing", file=self.describe(name)) from None
+        # object stores give an ETag; other fsspec file systems a modification or creation time
+        version = next((info[k] for k in ("ETag", "etag", "mtime", "LastModified", "created") if info.get(k)), "")
+        return self.describe(name), int(info["size"]), str(version)
 
     def exists(self, name: str) -> bool:
         return bool(self.fs.exists(self._key(name)))
@@ -61,6 +71,16 @@ class RemoteFiles:
         data = self.read_ranges(name, [(offset, offset + length)])[0]
         self.header_bytes_read += length
         return data
+
+    def read_prefixed(self, name: str, max_length: int) -> tuple[int, int, bytes]:
+        """(file size, length, the `length` bytes after an 8-byte little-endian length), in two ranged reads."""
+        size = self.size(name)
+        if size < 8:
+            return size, -1, b""
+        length = int.from_bytes(self.read(name, 0, 8), "little")
+        if length > min(max_length, size - 8):
+            return size, length, b""
+        return size, length, self.read(name, 8, length)
 
     def read_json(self, name: str, max_bytes: int, what: str = "file") -> Any:
         size = self.size(name)

@@ -28,7 +28,7 @@ from ..core import (
 )
 from ..errors import CheckpointError, ChecksumError, HeaderError, MissingFileError, UncommittedCheckpointError
 from ..geometry import byte_runs
-from ..storage import ByteStore, LocalFiles
+from ..storage import ByteStore, LocalFiles, MappableStore
 from .checksums import verify_blocks
 from .integrity import file_problem, size_problem
 from .manifest import FORMAT, MANIFEST, MAX_MANIFEST_BYTES, SAVE_MARKER, Manifest, TensorRecord, parse
@@ -84,7 +84,7 @@ def placement_of(record: TensorRecord) -> Placement | None:
 def open_folder(path: Path) -> Checkpoint:
     """The committed checkpoint in the folder `path` (or at its manifest) as a logical Checkpoint."""
     root = root_of(path)
-    files = LocalFiles(root)
+    files: MappableStore = LocalFiles(root)
     manifest = read_manifest(files, str(root))
     damaged = {}
     for name, file_record in manifest.files.items():
@@ -150,8 +150,7 @@ class CheckedArray(MappedArray):
 
 def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointError | None]]:
     """Check every data, parity and copy file against the manifest, saying whether damage is recoverable."""
-    files = checkpoint.storage
-    assert files is not None, "a Tensormorph checkpoint always has its store"
+    files = checkpoint.require_storage()
     manifest = read_manifest(files, str(checkpoint.path))
     held: dict[str, set[str]] = {}
     for name, record in manifest.tensors.items():

@@ -14,12 +14,11 @@ from ... import dtypes, torchzip
 from ...core import Chunk, LogicalTensor, MappedArray, validate_tiling
 from ...errors import HeaderError
 from ...geometry import flat_boxes
-from ...storage import LocalFiles
-from .discovery import path_of
+from ...storage import MappableStore
 from .pieces import Piece
 
 
-def flat_chunks(files: LocalFiles, name: str, shape: tuple[int, ...], pieces: list[Piece],
+def flat_chunks(files: MappableStore, name: str, shape: tuple[int, ...], pieces: list[Piece],
                 source: Callable[[Piece], tuple[str, torchzip.TensorRef]]) -> tuple[str, list[Chunk]]:
     """(dtype, chunks) of a tensor whose flat elements are the given pieces of 1-D tensors."""
     dtype: str | None = None
@@ -28,15 +27,15 @@ def flat_chunks(files: LocalFiles, name: str, shape: tuple[int, ...], pieces: li
         file, ref = source(piece)
         if len(ref.shape) != 1 or not ref.is_contiguous:
             raise HeaderError(f"rank {piece.rank}'s flat tensor {piece.slot} has shape {ref.shape} and stride "
-                              f"{ref.stride}; expected a contiguous 1-D tensor", file=path_of(files, file), tensor=name)
+                              f"{ref.stride}; expected a contiguous 1-D tensor", file=files.describe(file), tensor=name)
         if dtype is None:
             dtype = ref.dtype
         elif ref.dtype != dtype:
             raise HeaderError(f"rank {piece.rank} holds it as {ref.dtype}, another rank as {dtype}",
-                              file=path_of(files, file), tensor=name)
+                              file=files.describe(file), tensor=name)
         if piece.start + piece.count > ref.shape[0]:
             raise HeaderError(f"needs elements [{piece.start}, {piece.start + piece.count}) of rank {piece.rank}'s "
-                              f"flat tensor {piece.slot}, which holds {ref.shape[0]}", file=path_of(files, file),
+                              f"flat tensor {piece.slot}, which holds {ref.shape[0]}", file=files.describe(file),
                               tensor=name)
         itemsize = dtypes.itemsize(ref.dtype)
         numpy_dtype = np.dtype(dtypes.numpy_dtype(ref.dtype))

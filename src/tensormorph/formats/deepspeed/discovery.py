@@ -14,11 +14,6 @@ MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.p
 OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
-def path_of(files: LocalFiles, name: str) -> str:
-    """The path an error message names for one of the checkpoint's files."""
-    return str(files.resolve(name))
-
-
 def read_tag(latest: Path) -> str:
     """The tag a `latest` file names (one line of text)."""
     real = latest.resolve()

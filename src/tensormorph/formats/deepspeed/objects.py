@@ -7,21 +7,20 @@ from typing import Any
 from ... import safe_pickle
 from ...core import ObjectEntry
 from ...errors import UnsafePickleError
-from ...storage import LocalFiles
-from .discovery import path_of
+from ...storage import ByteStore
 from .names import OPTIMIZER_PREFIX
 from .states import ModelStates
 
 
-def model_objects(files: LocalFiles, model: ModelStates) -> dict[str, ObjectEntry]:
+def model_objects(files: ByteStore, model: ModelStates) -> dict[str, ObjectEntry]:
     """The model-states file's remaining entries (global_steps, ds_config, lr_scheduler...)."""
-    return {key: _object(key, value, model.file, path_of(files, model.file)) for key, value in model.entries.items()}
+    return {key: _object(key, value, model.file, files.describe(model.file)) for key, value in model.entries.items()}
 
 
-def optimizer_objects(files: LocalFiles, file: str, settings: dict[str, Any],
+def optimizer_objects(files: ByteStore, file: str, settings: dict[str, Any],
                       param_groups: list[Any]) -> dict[str, ObjectEntry]:
     """optimizer.<key>: the optimizer's settings (rank 0's), and its param_groups without the parameter ids."""
-    path = path_of(files, file)
+    path = files.describe(file)
     objects = {OPTIMIZER_PREFIX + k: _object(OPTIMIZER_PREFIX + k, v, file, path) for k, v in settings.items()}
     if param_groups:
         groups = [{k: v for k, v in g.items() if k != "params"} if isinstance(g, dict) else g for g in param_groups]

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import HeaderError
-from ...storage import LocalFiles
-from .discovery import path_of
+from ...storage import ByteStore
 from .states import RankStates
 
 
@@ -25,23 +24,23 @@ class Piece:
 Layout = dict[str, list[Piece]]
 
 
-def check_mappings(layout: Layout, ranks: list[RankStates], files: LocalFiles) -> None:
+def check_mappings(layout: Layout, ranks: list[RankStates], files: ByteStore) -> None:
     """DeepSpeed also records each rank's share of each parameter (param_slice_mappings): it must agree."""
     for rank in ranks:
         groups = rank.slice_mappings
         if groups is None:
             continue
         if not isinstance(groups, list):
-            raise HeaderError("param_slice_mappings should be a list per group", file=path_of(files, rank.file))
+            raise HeaderError("param_slice_mappings should be a list per group", file=files.describe(rank.file))
         recorded = {}
         for group, mapping in enumerate(groups):
             if not isinstance(mapping, dict):
                 raise HeaderError(f"param_slice_mappings[{group}] should map names to fragments",
-                                  file=path_of(files, rank.file))
+                                  file=files.describe(rank.file))
             for name, fragment in mapping.items():
                 if not isinstance(fragment, dict):
                     raise HeaderError("a param_slice_mappings entry is not a fragment address",
-                                      file=path_of(files, rank.file), tensor=str(name))
+                                      file=files.describe(rank.file), tensor=str(name))
                 recorded[name] = (group, fragment.get("start"), fragment.get("numel"))
         computed = {name: (p.slot, p.start, p.count) for name, pieces in layout.items() for p in pieces
                     if p.rank == rank.rank}
@@ -49,4 +48,4 @@ def check_mappings(layout: Layout, ranks: list[RankStates], files: LocalFiles) -
             if recorded.get(name) != computed.get(name):
                 raise HeaderError(f"rank {rank.rank}'s param_slice_mappings place it at (group, start, numel) = "
                                   f"{recorded.get(name)}, the partition sizes and param_shapes at "
-                                  f"{computed.get(name)}", file=path_of(files, rank.file), tensor=name)
+                                  f"{computed.get(name)}", file=files.describe(rank.file), tensor=name)

@@ -10,9 +10,9 @@ from ... import torchzip
 from ...core import Checkpoint, Placement
 from ...errors import CheckpointError, HeaderError, MissingFileError
 from ...geometry import shard_range
-from ...storage import LocalFiles
+from ...storage import LocalFiles, MappableStore
 from ..contract import Detection
-from .discovery import MODEL_FILE, OPTIM_FILE, model_file, optim_files, path_of, tag_folder
+from .discovery import MODEL_FILE, OPTIM_FILE, model_file, optim_files, tag_folder
 from .names import NAME
 from .objects import model_objects, optimizer_objects
 from .pieces import check_mappings
@@ -44,7 +44,7 @@ def detect(path: Path) -> Detection | None:
 
 def open(detection: Detection) -> Checkpoint:
     folder = detection.found or tag_folder(detection.path)
-    files = LocalFiles(folder)
+    files: MappableStore = LocalFiles(folder)
     names = optim_files(folder)
     model_name = model_file(folder)
     model = read_model_states(files, model_name)
@@ -56,19 +56,19 @@ def open(detection: Detection) -> Checkpoint:
             # fewer files: some rank's save is missing; more: files left over from a save with more ranks
             error = MissingFileError if rank.partition_count > len(ranks) else HeaderError
             raise error(f"says the states are partitioned over {rank.partition_count} data-parallel ranks, but "
-                        f"{len(ranks)} optimizer-state files are present", file=path_of(files, rank.file))
+                        f"{len(ranks)} optimizer-state files are present", file=files.describe(rank.file))
         if rank.stage != stage:
             raise HeaderError(f"says ZeRO stage {rank.stage}, rank 0's file stage {stage}",
-                              file=path_of(files, rank.file))
+                              file=files.describe(rank.file))
     if (stage == 3) != partitioned:
         raise HeaderError(f"the optimizer states are ZeRO stage {stage}, but the model states are saved as for "
-                          f"stage {'3' if partitioned else '1-2'}", file=path_of(files, model_name))
+                          f"stage {'3' if partitioned else '1-2'}", file=files.describe(model_name))
     model_names = [model_name]
     if stage == 3:
         model_names = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(len(ranks))]
         for name in model_names:
             if not files.exists(name):
-                raise MissingFileError("is missing; ZeRO-3 saves every rank's model states", file=path_of(files, name))
+                raise MissingFileError("is missing; ZeRO-3 saves every rank's model states", file=files.describe(name))
     layout = zero3_layout(model, ranks, files) if stage == 3 else zero12_layout(model, ranks, files)
     check_mappings(layout, ranks, files)
 
@@ -93,7 +93,7 @@ def open(detection: Detection) -> Checkpoint:
                       files=tuple(dict.fromkeys([*model_names, *names])), storage=files)
 
 
-def _read_rank(files: LocalFiles, name: str, rank: int, model: ModelStates, partitioned: bool,
+def _read_rank(files: MappableStore, name: str, rank: int, model: ModelStates, partitioned: bool,
                world: int) -> RankStates:
     try:
         return read_rank_states(files, name, rank)
@@ -104,7 +104,7 @@ def _read_rank(files: LocalFiles, name: str, rank: int, model: ModelStates, part
         listed = ", ".join(held[:8]) + (" ..." if len(held) > 8 else "")
         raise type(exc)(f"{exc.reason}; this file holds data-parallel rank {rank}'s share of the fp32 master "
                         f"weights and optimizer state of {len(held)} parameters: {listed}",
-                        file=exc.file or path_of(files, name), tensor=held[0] if held else None) from None
+                        file=exc.file or files.describe(name), tensor=held[0] if held else None) from None
 
 
 def _expected_on(model: ModelStates, rank: int, world: int, partitioned: bool) -> list[str]:
@@ -128,10 +128,9 @@ def _expected_on(model: ModelStates, rank: int, world: int, partitioned: bool) -
 
 def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointError | None]]:
     """Check the CRC-32 of every record of every file of the checkpoint."""
-    files = checkpoint.storage
-    assert isinstance(files, LocalFiles)  # this reader opens only local folders
+    files = checkpoint.require_storage()
     for file in checkpoint.files:
-        path = path_of(files, file)
+        path = files.describe(file)
         try:
             torchzip.check_crc(files.buffer(file), file=path)
         except CheckpointError as exc:

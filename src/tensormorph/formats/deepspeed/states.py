@@ -9,7 +9,7 @@ from typing import Any
 
 from ... import safe_pickle, torchzip
 from ...errors import HeaderError, UnsupportedError
-from ...storage import LocalFiles
+from ...storage import MappableStore
 
 # model-states entries that describe the layout rather than hold state of their own
 LAYOUT_KEYS = frozenset({"module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
@@ -44,9 +44,9 @@ DEEPSPEED_GLOBALS: safe_pickle.Globals = {
 """Stand-ins for the DeepSpeed classes that appear in real checkpoint files."""
 
 
-def load(files: LocalFiles, name: str) -> Any:
+def load(files: MappableStore, name: str) -> Any:
     """The object tree of one torch.save file of a DeepSpeed checkpoint (tensors as TensorRefs)."""
-    return torchzip.load(files.buffer(name), file=str(files.resolve(name)), extra_globals=DEEPSPEED_GLOBALS)
+    return torchzip.load(files.buffer(name), file=files.describe(name), extra_globals=DEEPSPEED_GLOBALS)
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,9 @@ class ModelStates:
     entries: dict[str, Any]  # everything else (global_steps, ds_config, lr_scheduler...)
 
 
-def read_model_states(files: LocalFiles, name: str) -> ModelStates:
+def read_model_states(files: MappableStore, name: str) -> ModelStates:
     """Parse and check one `*_model_states.pt` file."""
-    path = str(files.resolve(name))
+    path = files.describe(name)
     state = load(files, name)
     if not isinstance(state, dict) or not isinstance(state.get("module"), dict):
         raise HeaderError("is not a DeepSpeed model-states file (no 'module' state dict)", file=path)
@@ -123,9 +123,9 @@ class RankStates:
     slice_mappings: Any  # stages 1-2: per group, name -> fragment_address(start, numel) on this rank
 
 
-def read_rank_states(files: LocalFiles, name: str, rank: int) -> RankStates:
+def read_rank_states(files: MappableStore, name: str, rank: int) -> RankStates:
     """Parse and check one `*_optim_states.pt` file."""
-    path = str(files.resolve(name))
+    path = files.describe(name)
     state = load(files, name)
     settings = state.get("optimizer_state_dict") if isinstance(state, dict) else None
     if not isinstance(settings, dict) or "zero_stage" not in settings:

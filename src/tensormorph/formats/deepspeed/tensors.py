@@ -8,10 +8,9 @@ import math
 from ... import torchzip
 from ...core import LogicalTensor, Placement
 from ...errors import HeaderError
-from ...storage import LocalFiles
+from ...storage import MappableStore
 from ..torch_pickle import tensor_chunk
 from .arrays import flat_chunks, reshaped
-from .discovery import path_of
 from .names import MODULE_PREFIX, OPTIMIZER_PREFIX, STATE_PREFIX
 from .pieces import Layout, Piece
 from .states import ModelStates, RankStates, read_model_states
@@ -24,7 +23,7 @@ def _shape_of(model: ModelStates, name: str) -> tuple[int, ...]:
     return model.frozen_shapes[name]
 
 
-def master_tensors(files: LocalFiles, layout: Layout, model: ModelStates, ranks: list[RankStates],
+def master_tensors(files: MappableStore, layout: Layout, model: ModelStates, ranks: list[RankStates],
                    placement: Placement) -> dict[str, LogicalTensor]:
     """<param>: the fp32 master weights, read from the ranks' flat partitions."""
     tensors: dict[str, LogicalTensor] = {}
@@ -36,7 +35,7 @@ def master_tensors(files: LocalFiles, layout: Layout, model: ModelStates, ranks:
     return tensors
 
 
-def optimizer_state_tensors(files: LocalFiles, layout: Layout, model: ModelStates, ranks: list[RankStates],
+def optimizer_state_tensors(files: MappableStore, layout: Layout, model: ModelStates, ranks: list[RankStates],
                             placement: Placement) -> dict[str, LogicalTensor]:
     """optimizer.state.<param>.<key>: flat state laid out like the masters, scalars from the first piece."""
     tensors: dict[str, LogicalTensor] = {}
@@ -58,7 +57,7 @@ def optimizer_state_tensors(files: LocalFiles, layout: Layout, model: ModelState
                 held = ranks[p.rank].state[p.slot].get(key)
                 if held is None or not held.shape:
                     raise HeaderError(f"rank {p.rank} has no flat {key!r} state for flat tensor {p.slot}",
-                                      file=path_of(files, ranks[p.rank].file), tensor=full)
+                                      file=files.describe(ranks[p.rank].file), tensor=full)
                 return ranks[p.rank].file, held
 
             dtype, chunks = flat_chunks(files, full, shape, pieces, source)
@@ -66,7 +65,7 @@ def optimizer_state_tensors(files: LocalFiles, layout: Layout, model: ModelState
     return tensors
 
 
-def frozen_tensors(files: LocalFiles, model: ModelStates, model_names: list[str], placement: Placement,
+def frozen_tensors(files: MappableStore, model: ModelStates, model_names: list[str], placement: Placement,
                    stage: int) -> dict[str, LogicalTensor]:
     """Frozen parameters: whole fragments (stages 1-2), or one flat fragment per rank (stage 3)."""
     tensors = {}
@@ -78,14 +77,14 @@ def frozen_tensors(files: LocalFiles, model: ModelStates, model_names: list[str]
                 fragment = states.frozen_fragments.get(name)
                 if fragment is None or len(fragment.shape) != 1:
                     raise HeaderError("is frozen, but this rank holds no flat fragment of it",
-                                      file=path_of(files, states.file), tensor=name)
+                                      file=files.describe(states.file), tensor=name)
                 count = min(fragment.shape[0], numel - begin)
                 if count > 0:
                     pieces.append(Piece(rank, 0, 0, begin, count))
                     begin += count
             if begin != numel:
                 raise HeaderError(f"the ranks' fragments hold {begin} of its {numel} elements",
-                                  file=path_of(files, per_rank[-1].file), tensor=name)
+                                  file=files.describe(per_rank[-1].file), tensor=name)
 
             def fragment_of(p: Piece, name: str = name) -> tuple[str, torchzip.TensorRef]:
                 return per_rank[p.rank].file, per_rank[p.rank].frozen_fragments[name]
@@ -97,7 +96,7 @@ def frozen_tensors(files: LocalFiles, model: ModelStates, model_names: list[str]
         fragment = model.frozen_fragments.get(name)
         if fragment is None or math.prod(fragment.shape) != math.prod(shape):
             raise HeaderError(f"is frozen with shape {shape}, but its fragment is "
-                              f"{None if fragment is None else fragment.shape}", file=path_of(files, model.file),
+                              f"{None if fragment is None else fragment.shape}", file=files.describe(model.file),
                               tensor=name)
         tensors[name] = reshaped(LogicalTensor(name, fragment.dtype, fragment.shape,
                                                (tensor_chunk(files, model.file, fragment),)), shape)
@@ -111,7 +110,7 @@ def frozen_tensors(files: LocalFiles, model: ModelStates, model_names: list[str]
     return tensors
 
 
-def module_tensors(files: LocalFiles, model: ModelStates) -> dict[str, LogicalTensor]:
+def module_tensors(files: MappableStore, model: ModelStates) -> dict[str, LogicalTensor]:
     """Buffers under their own names; the module's weights as module.<name> (stage-3 placeholders left out)."""
     tensors = {}
     expected = {n: s for shapes in model.param_shapes for n, s in shapes.items()} | model.frozen_shapes

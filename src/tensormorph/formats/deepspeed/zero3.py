@@ -7,13 +7,12 @@ from collections.abc import Iterator
 
 from ...errors import HeaderError
 from ...geometry import shard_range
-from ...storage import LocalFiles
-from .discovery import path_of
+from ...storage import ByteStore
 from .pieces import Layout, Piece
 from .states import ModelStates, RankStates
 
 
-def zero3_layout(model: ModelStates, ranks: list[RankStates], files: LocalFiles) -> Layout:
+def zero3_layout(model: ModelStates, ranks: list[RankStates], files: ByteStore) -> Layout:
     """Stage 3: every parameter split on its own, ceil(n / ranks) elements per rank, padding at the end."""
     world = len(ranks)
     sizes = [f.shape[0] for f in ranks[0].flats]
@@ -21,7 +20,7 @@ def zero3_layout(model: ModelStates, ranks: list[RankStates], files: LocalFiles)
         theirs = [f.shape[0] for f in rank.flats]
         if theirs != sizes:
             raise HeaderError(f"rank {rank.rank}'s flat fp32 groups hold {theirs} elements, rank 0's {sizes}: "
-                              "every rank holds an equal share", file=path_of(files, rank.file))
+                              "every rank holds an equal share", file=files.describe(rank.file))
     slot_starts = [sum(sizes[:s]) for s in range(len(sizes) + 1)]
     layout: Layout = {}
     offset = 0
@@ -31,7 +30,7 @@ def zero3_layout(model: ModelStates, ranks: list[RankStates], files: LocalFiles)
             share = -(-numel // world)
             if offset + share > slot_starts[-1]:
                 raise HeaderError(f"needs elements [{offset}, {offset + share}) of every rank's flat groups, which "
-                                  f"hold {slot_starts[-1]}", file=path_of(files, ranks[0].file), tensor=name)
+                                  f"hold {slot_starts[-1]}", file=files.describe(ranks[0].file), tensor=name)
             pieces: list[Piece] = []
             for r in range(world):
                 begin, end = shard_range(numel, world, r)  # torch.chunk's split, as DeepSpeed's
@@ -40,7 +39,7 @@ def zero3_layout(model: ModelStates, ranks: list[RankStates], files: LocalFiles)
             offset += share
     if offset != slot_starts[-1]:
         raise HeaderError(f"param_shapes account for {offset} elements per rank, but the flat groups hold "
-                          f"{slot_starts[-1]}", file=path_of(files, ranks[0].file))
+                          f"{slot_starts[-1]}", file=files.describe(ranks[0].file))
     return layout
 
 

@@ -2,7 +2,7 @@
 
 The header is parsed here, not by `gguf.GGUFReader`: that reader maps the whole file and walks whatever
 counts a file claims, while here every count and length is checked against the bytes that remain before
-anything is allocated, and the header is fetched in growing pieces through LocalFiles.
+anything is allocated, and the header is fetched in growing pieces through the byte store.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 
 from ...core import MAX_DIM
 from ...errors import CheckpointError, HeaderError, TruncatedFileError, UnsupportedError
-from ...storage import LocalFiles
+from ...storage import ByteStore
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # version 1 stored counts and lengths as u32; llama.cpp dropped it in 2023
@@ -223,9 +223,9 @@ def _skip(cur: _Cursor, item_type: int, count: int, key: str) -> None:
             _value(cur, ARRAY, key, 1)
 
 
-def read_header(files: LocalFiles, name: str) -> Header:
+def read_header(files: ByteStore, name: str) -> Header:
     """Parse and validate one file's header; every problem is a CheckpointError naming the file (and tensor)."""
-    path = str(files.resolve(name))
+    path = files.describe(name)
     size = files.size(name)
     cur = _Cursor(lambda offset, length: files.read(name, offset, length), size, path)
     magic = cur.take(4, "the magic")
@@ -319,9 +319,9 @@ def _tensor_info(path: str, size: int, alignment: int, data_start: int, name: st
     return TensorInfo(name, type_id, ggml_type, block_size, type_size, tuple(reversed(ne)), begin, end)
 
 
-def read_long_array(files: LocalFiles, name: str, array: LongArray) -> list[Any]:
+def read_long_array(files: ByteStore, name: str, array: LongArray) -> list[Any]:
     """Every item of a long metadata array, read from its bytes in the file."""
     data = files.read(name, array.begin, array.end - array.begin)
-    cur = _Cursor(None, array.end, str(files.resolve(name)), data, base=array.begin)
+    cur = _Cursor(None, array.end, files.describe(name), data, base=array.begin)
     return _items(cur, array.item_type, array.count, array.key, 0)
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from ...core import byte_runs
 from ...errors import UnsupportedError
-from ...storage import LocalFiles
+from ...storage import MappableStore
 from .header import TensorInfo
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ def _dequantizer() -> Dequantize | None:
 class QuantizedBlocks:
     """A tensor stored as ggml blocks along its last (fastest) axis, read as float32 one block range at a time."""
 
-    files: LocalFiles
+    files: MappableStore
     file: str
     offset: int
     info: TensorInfo
@@ -98,7 +98,7 @@ class QuantizedBlocks:
         """Dequantize (..., blocks, block bytes) to (rows, values) and keep the selected columns."""
         info = self.info
         dequantize = _dequantizer()
-        path = str(self.files.resolve(self.file))
+        path = self.files.describe(self.file)
         if dequantize is None:
             raise UnsupportedError(f"is {info.ggml_type}-quantized; reading it needs the gguf package "
                                    "(pip install 'tensormorph[gguf]')", file=path, tensor=info.name)

@@ -10,7 +10,7 @@ from pathlib import Path
 from ... import dtypes
 from ...core import Checkpoint, Chunk, ChunkSource, LogicalTensor, MappedArray, ObjectEntry
 from ...errors import HeaderError, MissingFileError
-from ...storage import LocalFiles
+from ...storage import ByteStore, LocalFiles, MappableStore
 from ..contract import Detection, no_checksums
 from .header import MAGIC, RAW_TYPES, Header, LongArray, TensorInfo, read_header, read_long_array
 from .quantized import QuantizedBlocks
@@ -66,11 +66,11 @@ def _split_names(stem: str, n: int) -> list[str]:
 
 def open(detection: Detection) -> Checkpoint:
     root, names = _members(detection.path)
-    files = LocalFiles(root)
+    files: MappableStore = LocalFiles(root)
     for k, name in enumerate(names, start=1):
         if not files.exists(name):
             raise MissingFileError(f"split {k} of {len(names)} is missing; the split set of {names[0]!r} needs "
-                                   f"all {len(names)} files", file=str(files.resolve(name)))
+                                   f"all {len(names)} files", file=files.describe(name))
     headers = [read_header(files, name) for name in names]
     _check_splits(files, headers)
     first = headers[0]
@@ -79,7 +79,7 @@ def open(detection: Detection) -> Checkpoint:
         for info in header.tensors:
             if info.name in tensors:
                 raise HeaderError(f"appears in both {tensors[info.name].files[0]!r} and {header.file!r}",
-                                  file=str(files.resolve(header.file)), tensor=info.name)
+                                  file=files.describe(header.file), tensor=info.name)
             tensors[info.name] = LogicalTensor(info.name, _dtype(info), info.shape,
                                                (_chunk(files, header.file, info),),
                                                file_shard=(k, len(headers)) if len(headers) > 1 else None)
@@ -100,7 +100,7 @@ def _dtype(info: TensorInfo) -> str:
     return info.ggml_type if info.ggml_type in RAW_TYPES else "F32"
 
 
-def _chunk(files: LocalFiles, file: str, info: TensorInfo) -> Chunk:
+def _chunk(files: MappableStore, file: str, info: TensorInfo) -> Chunk:
     if info.ggml_type in RAW_TYPES:
         source: ChunkSource = MappedArray(files, file, info.begin, dtypes.numpy_dtype(info.ggml_type), info.shape)
     else:
@@ -108,12 +108,12 @@ def _chunk(files: LocalFiles, file: str, info: TensorInfo) -> Chunk:
     return Chunk((0,) * len(info.shape), info.shape, file, (info.begin, info.end), source)
 
 
-def _check_splits(files: LocalFiles, headers: list[Header]) -> None:
+def _check_splits(files: ByteStore, headers: list[Header]) -> None:
     """The split keys of every file agree with the file names (llama.cpp's split.no / split.count)."""
     n = len(headers)
     total = sum(len(h.tensors) for h in headers)
     for k, header in enumerate(headers):
-        path = str(files.resolve(header.file))
+        path = files.describe(header.file)
         number, count = header.metadata.get("split.no"), header.metadata.get("split.count")
         if n == 1:
             if count not in (None, 0, 1):
@@ -127,4 +127,4 @@ def _check_splits(files: LocalFiles, headers: list[Header]) -> None:
     expected = headers[0].metadata.get("split.tensors.count")
     if expected is not None and expected != total:
         raise HeaderError(f"split.tensors.count is {expected}, but the {n} file(s) hold {total} tensors",
-                          file=str(files.resolve(headers[0].file)))
+                          file=files.describe(headers[0].file))
