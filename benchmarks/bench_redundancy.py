@@ -1,6 +1,6 @@
 """Redundancy costs: rs(4,2) parity encode rate, added save time and space, rebuild and degraded load.
 
-1. encode   redundancy.encode_parity over a 4+2 stripe of four 128 MiB files held in memory (so the
+1. encode   parity.encode_parity over a 4+2 stripe of four 128 MiB files held in memory (so the
             coder is measured, not the disk), one parity file per pass as one rank computes it,
             against zfec's own Encoder.encode on the same 4 MiB segments. The reader hands over those
             same segments (the ratio's case), or copies each one as a read from the page cache does.
@@ -103,14 +103,14 @@ def bench_encode() -> dict[str, Any]:
     """encode_parity vs raw zfec on the same segments, one parity file per pass."""
     import zfec
 
-    from tensormorph import redundancy
+    from tensormorph.tmformat import parity
 
     rng = np.random.default_rng(7)
     names = [f"rank-{r:05d}.safetensors" for r in range(K)]
     data = {n: rng.integers(0, 256, ENCODE_FILE, dtype=np.uint8) for n in names}
     views = {n: memoryview(a) for n, a in data.items()}
-    stripe = redundancy.stripes([(n, ENCODE_FILE) for n in names], K, M)[0]
-    segment = redundancy.SEGMENT
+    stripe = parity.stripes([(n, ENCODE_FILE) for n in names], K, M)[0]
+    segment = parity.SEGMENT
     segments = [tuple(bytes(views[n][b:b + segment]) for n in names) for b in range(0, ENCODE_FILE, segment)]
     cut = {(n, b, min(ENCODE_FILE, b + segment)): seg[i] for b, seg in zip(range(0, ENCODE_FILE, segment), segments)
            for i, n in enumerate(names)}
@@ -126,8 +126,8 @@ def bench_encode() -> dict[str, Any]:
         return [encoder.encode(blocks, (K + index,))[0] for blocks in segments]
 
     steps = {
-        "tm_copying": lambda j: _consume(redundancy.encode_parity(stripe, K, M, j, copying)),
-        "tm_zero_copy": lambda j: _consume(redundancy.encode_parity(stripe, K, M, j, zero_copy)),
+        "tm_copying": lambda j: _consume(parity.encode_parity(stripe, K, M, j, copying)),
+        "tm_zero_copy": lambda j: _consume(parity.encode_parity(stripe, K, M, j, zero_copy)),
         "zfec_raw": raw,
     }
     times: dict[str, list[float]] = {label: [] for label in steps}
@@ -178,7 +178,7 @@ def _worker(rank: int, world: int, port: int, work: str, cold: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import tensormorph as tm
-    import tensormorph.distributed as tm_dist
+    from tensormorph.tmformat import writer
 
     torch.set_num_threads(1)
     init_gloo(rank, world, port)
@@ -191,7 +191,7 @@ def _worker(rank: int, world: int, port: int, work: str, cold: bool) -> None:
 
         # the parity / copy phase of a save, timed on each rank by wrapping the function save calls
         extras_s: list[float] = []
-        original = tm_dist.write_extras
+        original = writer.write_extras
 
         def timed_extras(*args: Any, **kwargs: Any) -> Any:
             begin = time.perf_counter()
@@ -200,7 +200,7 @@ def _worker(rank: int, world: int, port: int, work: str, cold: bool) -> None:
             finally:
                 extras_s.append(time.perf_counter() - begin)
 
-        tm_dist.write_extras = timed_extras
+        writer.write_extras = timed_extras
 
         def run(k: int, label: str, state: dict[str, Any]) -> dict[str, Any]:
             del extras_s[:]
@@ -370,7 +370,7 @@ def bench_rebuild(root: Path, cold: bool) -> dict[str, Any]:
 def main() -> None:
     if len(sys.argv) > 1:
         sys.exit(f"usage: python -m benchmarks.bench_{NAME}")
-    from tensormorph import redundancy
+    from tensormorph.tmformat import parity
 
     cold = drop_caches()
     if not cold:
@@ -407,7 +407,7 @@ def main() -> None:
     stored = {label: sum(v for kind, v in disk[label].items() if kind != "manifest") for label in SAVES}
     data_bytes = disk["none"]["data"]
     space = {label: stored[label] / data_bytes for label in SAVES}
-    expected_rs = 1 + redundancy.overhead(redundancy.parse_scheme(SCHEME), [data_bytes // RANKS] * RANKS)
+    expected_rs = 1 + parity.overhead(parity.parse_scheme(SCHEME), [data_bytes // RANKS] * RANKS)
     save_ratio = {label: sv["none"]["median"] / sv[label]["median"] for label in ("rs", "replicate")}
 
     # 3. rebuild

@@ -97,11 +97,3 @@ class Collective:
     def everyone(self, step: Callable[[], T], *, label: str = "") -> list[Outcome[T]]:
         """Every rank runs `step`; every rank gets all the outcomes, failed ones included, in rank order."""
         return self.gather(self.run(step, label=label))
-
-    def all_succeed(self, step: Callable[[], T], failure: str, path: str | os.PathLike[str]) -> list[T]:
-        """Every rank runs `step`; all get every value, or all raise naming the first rank that failed."""
-        outcomes = self.everyone(step)
-        failed = [o for o in outcomes if o.error is not None]
-        if failed:
-            raise CheckpointError(f"{failure}: rank {failed[0].rank}: {failed[0].error}", file=os.fspath(path))
-        return [o.unwrap() for o in outcomes]

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..core import LogicalTensor
 from ..errors import CheckpointError
+from .stats import chunk_blocks
 
 DEFAULT_BAND_BYTES = 32 * 1024**2
 MAX_PIXELS = 4096 * 4096
@@ -240,8 +241,6 @@ def histogram(tensor: LogicalTensor, low: float, high: float, *, bins: int = 64,
 
     With log=True the bins are log-spaced over |x| (zeros fall in the first bin).
     """
-    from .stats import chunk_blocks
-
     if log:
         top = max(abs(low), abs(high))
         floor = top * 1e-8 if top > 0 else 1e-12

@@ -71,12 +71,17 @@ class LocalDestination:
         init.mkdir()
         # held open, and locked, past this call until the commit or abort: _release_marker closes it
         self._marker = open(init / SAVE_MARKER, "xb")  # noqa: SIM115
-        fcntl.flock(self._marker.fileno(), fcntl.LOCK_EX)
         _HELD_MARKERS.add(self._marker.fileno())
-        self._marker.write(json.dumps({"target": self.final.name, "started": time.time(), "pid": os.getpid()}).encode())
-        self._marker.flush()
-        os.fsync(self._marker.fileno())
-        os.rename(init, work)
+        try:
+            fcntl.flock(self._marker.fileno(), fcntl.LOCK_EX)
+            record = {"target": self.final.name, "started": time.time(), "pid": os.getpid()}
+            self._marker.write(json.dumps(record).encode())
+            self._marker.flush()
+            os.fsync(self._marker.fileno())
+            os.rename(init, work)
+        except BaseException:
+            self._release_marker()
+            raise
         self.work = work
         return name
 

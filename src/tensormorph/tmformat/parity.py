@@ -22,6 +22,8 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import zfec
+
 from ..errors import CheckpointError
 from .checksums import RunningCrc
 
@@ -107,8 +109,6 @@ def _padded(read: Reader, file: str | None, size: int, begin: int, end: int) -> 
 
 def encode_parity(stripe: Stripe, k: int, m: int, index: int, read: Reader, segment: int = SEGMENT) -> Iterator[bytes]:
     """Parity file `index` of a stripe, segment by segment."""
-    import zfec
-
     encoder = zfec.Encoder(k, k + m)
     files: list[str | None] = list(stripe.data) + [None] * (k - len(stripe.data))
     sizes = list(stripe.sizes) + [0] * (k - len(stripe.sizes))
@@ -123,8 +123,6 @@ def rebuild(stripe: Stripe, k: int, m: int, lost: str, available: set[str], read
 
     Raises CheckpointError when fewer than k files of the stripe are available.
     """
-    import zfec
-
     names: list[str | None] = list(stripe.data) + [None] * (k - len(stripe.data)) + list(stripe.parity)
     sizes = list(stripe.sizes) + [0] * (k - len(stripe.sizes)) + [stripe.length] * m
     usable = [i for i, name in enumerate(names) if name is None or (name in available and name != lost)]
