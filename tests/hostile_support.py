@@ -162,18 +162,19 @@ def torch_zip(pickle_bytes: bytes, storages: dict[str, bytes] | None = None, *, 
     return buffer.getvalue()
 
 
-def archive_view(blob: bytes) -> dict[str, tuple[int, bytes | None]] | type[CheckpointError]:
-    """{record: (compression, content)}: what reading a torch.save archive relies on, or the error its first
-    unreadable part must raise. The records the central directory lists; data.pkl and byteorder as the zipfile
-    module reads them (CRC checked); each storage's bytes where its local header puts them, in order (reading
-    does not check their CRCs; verify does); no other record is read."""
+def archive_view(blob: bytes) -> dict[str, tuple[int, int, bytes | None]] | type[CheckpointError]:
+    """{record: (compression, declared size, content)}: what reading a torch.save archive relies on, or the
+    error its first unreadable part must raise. The records the central directory lists, with the sizes it
+    declares (the reader bounds them); data.pkl and byteorder as the zipfile module reads them (CRC checked);
+    each storage's bytes where its local header puts them, in order (reading does not check their CRCs; verify
+    does); no other record is read."""
     if len(blob) >= 2 and blob[0] == 0x80:
         return UnsupportedError  # the legacy torch.save format's first byte
     if blob[:4] != b"PK\x03\x04":
         return HeaderError
     try:
         archive = zipfile.ZipFile(io.BytesIO(blob))
-        view: dict[str, tuple[int, bytes | None]] = {}
+        view: dict[str, tuple[int, int, bytes | None]] = {}
         for info in archive.infolist():
             content = None
             if info.filename.endswith(("data.pkl", "byteorder")):
@@ -186,7 +187,7 @@ def archive_view(blob: bytes) -> dict[str, tuple[int, bytes | None]] | type[Chec
                 if begin + info.file_size > len(blob):
                     return TruncatedFileError
                 content = blob[begin:begin + info.file_size]
-            view[info.filename] = (info.compress_type, content)
+            view[info.filename] = (info.compress_type, info.file_size, content)
     except Exception:  # zipfile raises many types on damaged archives
         return HeaderError
     return view if any(name.endswith("data.pkl") for name in view) else HeaderError

@@ -27,7 +27,9 @@ def parse_size(text: str, what: str | None = None, *, unit_required: bool = Fals
     match = _SIZE.match(text.strip())
     sign, number, unit = match.groups() if match else ("", "", "")
     unit = unit.upper() or ("" if unit_required else "B")
-    if not match or unit not in _UNITS or (sign == "-" and not signed):
+    # where a unit is required, K/M/G/T alone are refused too: '80G' could mean GB or GiB
+    ambiguous = unit_required and not unit.endswith("B")
+    if not match or unit not in _UNITS or ambiguous or (sign == "-" and not signed):
         hint = "; write a number with a unit, e.g. 24GiB or 500MB" if unit_required else ": use e.g. 5GB, 500MB, 2GiB"
         raise CheckpointError(f"{prefix}cannot read size {text!r}{hint}")
     value = float(sign + number) * _UNITS[unit]

@@ -19,12 +19,11 @@ import torch
 
 from .. import dtypes
 from ..core import Checkpoint
-from ..errors import StateMismatchError, UncommittedCheckpointError
+from ..errors import StateMismatchError
 from ..formats import open_checkpoint
 from ..geometry import Box
 from ..storage import LocalFiles, RemoteFiles, is_url
 from ..tmformat.checkpoint import is_checkpoint_folder, read_manifest, root_of
-from ..tmformat.manifest import MANIFEST, MAX_MANIFEST_BYTES, parse
 from ..tmformat.reader import BoxReader
 from ..torch_arrays import as_numpy, to_torch, vocabulary
 from .state import Leaves, dtensor_types, flatten, local_box
@@ -51,11 +50,7 @@ def _open_source(path: str | os.PathLike[str], storage_options: dict[str, Any] |
     """A BoxReader for the Tensormorph format (local or remote), else a Checkpoint of any other format."""
     if is_url(path):
         remote = RemoteFiles(os.fspath(path), storage_options)
-        if not remote.exists(MANIFEST):
-            raise UncommittedCheckpointError(
-                "holds no manifest: not a committed Tensormorph checkpoint", file=remote.url)
-        manifest = parse(remote.read_all(MANIFEST, MAX_MANIFEST_BYTES), remote.describe(MANIFEST))
-        return BoxReader(manifest, remote, remote.url, verify=verify), "tensormorph"
+        return BoxReader(read_manifest(remote, remote.url), remote, remote.url, verify=verify), "tensormorph"
     local = Path(os.fspath(path).removeprefix("file://"))
     if is_checkpoint_folder(local):
         root = root_of(local)

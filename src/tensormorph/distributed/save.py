@@ -45,8 +45,14 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     """
     started = time.perf_counter()
     group = Collective(process_group)
-    save = SaveTransaction(path, overwrite=overwrite, storage_options=storage_options, redundancy=redundancy,
-                           extra=extra)
+    # every rank makes its own transaction; a rank that cannot (a bad redundancy spelling, an unreachable
+    # object store) must not leave the others waiting in the next collective
+    made = group.run(lambda: SaveTransaction(path, overwrite=overwrite, storage_options=storage_options,
+                                             redundancy=redundancy, extra=extra))
+    refused = [error for error in group.gather(made.error) if error is not None]
+    if refused:
+        raise CheckpointError(f"save failed before writing: {refused[0]}", file=os.fspath(path))
+    save = made.unwrap()
     leaves = flatten(state_dict)
     dtensor = dtensor_types()
     pieces, local_data = [], {}
@@ -64,9 +70,9 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     token = group.decide(prepare, "save failed before writing", path)
     if group.rank != 0:
         save.plan(everyone)  # the same inputs as rank 0's, which succeeded
-    save.join(token)
 
     def write() -> RankResult:
+        save.join(token)
         # plain values are checked here, on their own rank, so a bad one fails every rank cleanly
         objects = {name: encode_value(value, name) for name, value in leaves.objects.items()}
         mine = save.written_by(group.rank, pieces)

@@ -6,11 +6,12 @@ from pathlib import Path
 
 from ..core import Checkpoint
 from ..tmformat.checkpoint import checksum_problems, is_checkpoint_folder, open_folder, root_of
+from ..tmformat.manifest import FORMAT
 from .contract import Detection
 
 __all__ = ["NAME", "checksum_problems", "detect", "open"]
 
-NAME = "tensormorph"
+NAME = FORMAT
 
 
 def detect(path: Path) -> Detection | None:

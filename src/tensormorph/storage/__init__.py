@@ -11,10 +11,10 @@ import builtins  # `list` names a method of the stores: their annotations say bu
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from .local import LocalFiles, pread_into
+from .local import LocalFiles
 from .remote import RemoteFiles, is_url
 
-__all__ = ["ByteStore", "LocalFiles", "MappableStore", "RemoteFiles", "is_url", "pread_into"]
+__all__ = ["ByteStore", "LocalFiles", "MappableStore", "RemoteFiles", "is_url"]
 
 Run = tuple[int, int]  # [begin, end) byte offsets in one file
 

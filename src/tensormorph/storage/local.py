@@ -41,7 +41,6 @@ class LocalFiles:
         self.root = Path(root).resolve()
         self._maps: dict[Path, mmap.mmap | None] = {}
         self._resolved: dict[str, Path] = {}
-        self._fds: dict[Path, int] = {}  # kept open: region reads issue thousands of preads per file
         self._lock = threading.Lock()
         self.header_bytes_read = 0
 
@@ -135,13 +134,18 @@ class LocalFiles:
 
     def read_into(self, name: str, offset: int, target: memoryview) -> None:
         """Fill `target` with the file's bytes from `offset` (pread in large pieces, no page mapping)."""
-        pread_into(self._fd(name), offset, target, self.describe(name))
+        self.read_runs(name, [(offset, offset + len(target))], target)
 
     def read_runs(self, name: str, runs: Sequence[tuple[int, int]], target: memoryview) -> None:
-        fd, where, position = self._fd(name), self.describe(name), 0
-        for begin, end in runs:
-            pread_into(fd, begin, target[position:position + end - begin], where)
-            position += end - begin
+        # one descriptor per call, for all its runs: nothing stays open between calls, so a store holds no
+        # descriptors a caller could run out of, and no number is shared across threads
+        fd, where, position = self._open(name), self.describe(name), 0
+        try:
+            for begin, end in runs:
+                pread_into(fd, begin, target[position:position + end - begin], where)
+                position += end - begin
+        finally:
+            os.close(fd)
 
     def read_ranges(self, name: str, runs: Sequence[tuple[int, int]]) -> builtins.list[bytes]:
         out = []
@@ -151,17 +155,12 @@ class LocalFiles:
             out.append(bytes(buffer))
         return out
 
-    def _fd(self, name: str) -> int:
+    def _open(self, name: str) -> int:
         path = self.resolve(name)
-        with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                except FileNotFoundError:
-                    raise MissingFileError("file is missing", file=str(path)) from None
-                self._fds[path] = fd
-            return fd
+        try:
+            return os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise MissingFileError("file is missing", file=str(path)) from None
 
     def _counted(self, data: bytes, length: int, offset: int, path: Path) -> bytes:
         if len(data) != length:
@@ -212,9 +211,6 @@ class LocalFiles:
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
             for mapped in self._maps.values():
                 if mapped is not None:
                     # numpy views still point into the map (BufferError); it closes when they are freed.

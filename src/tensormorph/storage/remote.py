@@ -25,7 +25,6 @@ class RemoteFiles:
 
         self.url = url.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
-        self.bytes_read = 0
         self.header_bytes_read = 0
 
     def _key(self, name: str, referrer: str | None = None) -> str:
@@ -58,14 +57,6 @@ class RemoteFiles:
     def list(self) -> list[str]:
         prefix = f"{self.root}/"
         return sorted(path[len(prefix):] for path in self.fs.find(self.root) if path.startswith(prefix))
-
-    def read_all(self, name: str, max_bytes: int) -> bytes:
-        """A whole (small) file; HeaderError when it is larger than `max_bytes`."""
-        size = self.size(name)
-        if size > max_bytes:
-            raise HeaderError(f"is {size} bytes, over the {max_bytes}-byte limit", file=self.describe(name))
-        data = self.read(name, 0, size)
-        return data
 
     def read(self, name: str, offset: int, length: int) -> bytes:
         data = self.read_ranges(name, [(offset, offset + length)])[0]
@@ -122,7 +113,6 @@ class RemoteFiles:
             if len(part) != end - begin:
                 raise TruncatedFileError(f"expected {end - begin} bytes at offset {begin}, got {len(part)}",
                                          file=self.describe(name))
-        self.bytes_read += sum(len(p) for p in parts)
         return list(parts)
 
     def close(self) -> None:

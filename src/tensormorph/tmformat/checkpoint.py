@@ -56,7 +56,7 @@ def is_checkpoint_folder(path: Path) -> bool:
 
 
 def read_manifest(files: ByteStore, where: str) -> Manifest:
-    """The validated manifest of a local folder, or the error that says why it is not a checkpoint."""
+    """The validated manifest of a checkpoint's store, or the error that says why it is not a checkpoint."""
     if not files.exists(MANIFEST):
         if files.exists(SAVE_MARKER):
             marker = files.read(SAVE_MARKER, 0, min(files.size(SAVE_MARKER), 4096))

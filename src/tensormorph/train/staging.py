@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..distributed.collective import Collective
 from ..errors import CheckpointError
@@ -52,8 +53,6 @@ def _storage(tensor: torch.Tensor) -> int:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
@@ -157,8 +156,6 @@ class Staging:
     def _copy(self, state: dict[str, Any], deferrable: set[int]) -> tuple[dict[str, Any], list[DeferredCopy]]:
         """`state` with tensors in reused CPU buffers and plain values deep-copied; CPU tensors whose storage
         is in `deferrable` are not copied yet: their copies are returned, for the background thread."""
-        from torch.distributed.tensor import DTensor
-
         buffers = self._buffers
         on_gpu = False
         deferred: list[DeferredCopy] = []

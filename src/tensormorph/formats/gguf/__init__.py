@@ -17,22 +17,7 @@ dequantization), `reader` (detect, open, the files of a split set).
 
 from __future__ import annotations
 
-from .header import (
-    EAGER_ARRAY_ITEMS,
-    GGML_TYPES,
-    MAX_COUNT,
-    MAX_HEADER_BYTES,
-    RAW_TYPES,
-    Header,
-    LongArray,
-    TensorInfo,
-    read_header,
-    read_long_array,
-)
-from .quantized import QuantizedBlocks
+from .header import GGML_TYPES, MAX_COUNT, read_header
 from .reader import NAME, checksum_problems, detect, open
 
-__all__ = [
-    "EAGER_ARRAY_ITEMS", "GGML_TYPES", "MAX_COUNT", "MAX_HEADER_BYTES", "NAME", "RAW_TYPES", "Header", "LongArray",
-    "QuantizedBlocks", "TensorInfo", "checksum_problems", "detect", "open", "read_header", "read_long_array",
-]
+__all__ = ["GGML_TYPES", "MAX_COUNT", "NAME", "checksum_problems", "detect", "open", "read_header"]

@@ -28,18 +28,21 @@ def _is_gguf(path: Path) -> bool:
 
 
 def detect(path: Path) -> Detection | None:
+    """The .gguf files of a folder (names, sorted), or the one file `path` names."""
     if path.is_dir():
-        return Detection(path) if any(_is_gguf(p) for p in sorted(path.glob("*.gguf"))) else None
+        found = sorted(p.name for p in path.glob("*.gguf") if _is_gguf(p))
+        return Detection(path, found) if found else None
     return Detection(path) if _is_gguf(path) else None
 
 
 checksum_problems = no_checksums  # GGUF records no checksums
 
 
-def _members(path: Path) -> tuple[Path, list[str]]:
-    """(folder, file names in split order) of the model at `path`: one file, a split set, or a folder of either."""
+def _members(path: Path, found: list[str] | None = None) -> tuple[Path, list[str]]:
+    """(folder, file names in split order) of the model at `path`: one file, a split set, or a folder of either
+    (whose GGUF files detection may have `found` already)."""
     if path.is_dir():
-        found = sorted(p.name for p in path.glob("*.gguf") if _is_gguf(p))
+        found = found if found is not None else sorted(p.name for p in path.glob("*.gguf") if _is_gguf(p))
         sets = {m.group("stem", "n") for m in map(SPLIT_NAME.match, found) if m}
         singles = [f for f in found if not SPLIT_NAME.match(f)]
         if len(sets) + len(singles) != 1:
@@ -65,7 +68,7 @@ def _split_names(stem: str, n: int) -> list[str]:
 
 
 def open(detection: Detection) -> Checkpoint:
-    root, names = _members(detection.path)
+    root, names = _members(detection.path, detection.found)
     files: MappableStore = LocalFiles(root)
     for k, name in enumerate(names, start=1):
         if not files.exists(name):
