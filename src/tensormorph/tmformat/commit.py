@@ -70,7 +70,8 @@ class LocalDestination:
         init = self.final.parent / f"{INIT_PREFIX}{uuid.uuid4().hex[:12]}"
         init.mkdir()
         # held open, and locked, past this call until the commit or abort: _release_marker closes it
-        self._marker = open(init / SAVE_MARKER, "xb")  # noqa: SIM115
+        marker = os.open(init / SAVE_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        self._marker = os.fdopen(marker, "wb")
         _HELD_MARKERS.add(self._marker.fileno())
         try:
             fcntl.flock(self._marker.fileno(), fcntl.LOCK_EX)
@@ -327,7 +328,8 @@ def _exchange(a: Path, b: Path) -> bool:
 def _write_durably(path: Path, data: bytes) -> None:
     """Write a small file under a temporary name, fsync it and rename it into place."""
     part = path.with_name(path.name + ".part")
-    with open(part, "wb") as f:
+    # a new file that refuses a planted link, like every file a save creates in its folder
+    with os.fdopen(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
