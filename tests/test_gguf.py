@@ -6,8 +6,12 @@ viewer API on them; hostile headers (hypothesis) that must fail as CheckpointErr
 from __future__ import annotations
 
 import json
+import os
+import resource
 import shutil
+import signal
 import struct
+import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -492,13 +496,34 @@ def assert_refused(result: Any, path: Path, kinds: tuple[type, ...] = HEADER_ERR
     assert str(path) in str(result)
 
 
+REFERENCE_MEMORY = 256 << 20  # bytes the reference may allocate beyond what the test process holds already
+REFERENCE_SECONDS = 2  # it parses the small fixture in milliseconds
+
+
 def reference_refuses(path: Path) -> bool:
-    """Whether the gguf package's own reader cannot parse the file (its header or its tensor table)."""
-    try:
-        gguf_builders.reference([path])
-    except Exception:  # the reference raises many types on damaged files
-        return True
-    return False
+    """Whether the gguf package's own reader cannot parse the file (its header or its tensor table).
+
+    It runs in a forked child with bounded memory and time: on a forged count the reference allocates
+    whatever the count says (tens of GiB), and one that cannot parse the file in bounded memory refuses it."""
+    held = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
+                if line.startswith("VmSize:"))
+    pid = os.fork()
+    if pid == 0:
+        try:
+            resource.setrlimit(resource.RLIMIT_AS, (held + REFERENCE_MEMORY, held + REFERENCE_MEMORY))
+            gguf_builders.reference([path])
+        except BaseException:  # the reference raises many types on damaged files, MemoryError among them
+            os._exit(1)
+        os._exit(0)
+    deadline = time.monotonic() + REFERENCE_SECONDS
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status) != 0
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return True
 
 
 FUZZ = settings(max_examples=150, deadline=3000, suppress_health_check=[HealthCheck.too_slow,
