@@ -353,3 +353,38 @@ def load_metadata(folder: Path) -> Any:
 
 def save_metadata(folder: Path, metadata: Any) -> None:
     (folder / ".metadata").write_bytes(pickle.dumps(metadata, protocol=4))
+
+
+# ---------------------------------------------------------------------------
+# bounded work: time and peak memory of one case, measured in a child process
+# ---------------------------------------------------------------------------
+
+_BOUNDED_PROBE = """
+import json, resource, sys, time, traceback
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+started = time.perf_counter()
+try:
+    exec(compile(sys.argv[1], "<case>", "exec"), {})
+    outcome = None
+except BaseException as exc:
+    outcome = [type(exc).__name__, str(exc)]
+print(json.dumps({"seconds": time.perf_counter() - started, "outcome": outcome,
+                  "grown_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024}))
+"""
+
+
+def run_bounded(code: str, *, seconds: float, grown_mib: float, cwd: Path | None = None) -> tuple[str, str] | None:
+    """Run `code` in a fresh interpreter (after its imports are in place) and assert that it ends within
+    `seconds` and grows the peak RSS by less than `grown_mib`. Returns (exception class name, message), or
+    None when the code raised nothing. Statements before a line `# measure` are setup, not measured."""
+    setup, _, measured = code.rpartition("# measure\n")
+    import subprocess
+    import sys
+    probe = setup + _BOUNDED_PROBE
+    finished = subprocess.run([sys.executable, "-c", probe, measured], capture_output=True, text=True,
+                              timeout=max(60.0, seconds * 4), cwd=cwd)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    report = json.loads(finished.stdout.strip().splitlines()[-1])
+    assert report["seconds"] < seconds, f"took {report['seconds']:.2f} s (bound {seconds} s): {report['outcome']}"
+    assert report["grown_mib"] < grown_mib, f"peak RSS grew {report['grown_mib']:.0f} MiB (bound {grown_mib} MiB)"
+    return tuple(report["outcome"]) if report["outcome"] else None

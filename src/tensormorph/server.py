@@ -15,6 +15,7 @@ import math
 import os
 import secrets
 import threading
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -37,6 +38,7 @@ from .ops.stats import tensor_stats
 from .ops.summary import describe, tensor_record
 from .ops.tiles import MAX_PIXELS, View, histogram, tile
 from .planner import Workload, plan
+from .storage import create_new
 
 WEB = Path(__file__).resolve().parent / "web"
 ESTIMATED_READ_RATE = 1e9  # bytes/s, for the cost shown before a full read
@@ -129,8 +131,9 @@ class Viewer:
                 data = compute()
             if disk is not None:
                 disk.parent.mkdir(parents=True, exist_ok=True)
-                temporary = disk.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
-                temporary.write_bytes(data)
+                temporary = disk.with_suffix(f".tmp-{uuid.uuid4().hex}")
+                with create_new(temporary) as f:
+                    f.write(data)
                 os.replace(temporary, disk)
         with self._lock:
             self._tiles[key] = data

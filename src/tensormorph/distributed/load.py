@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +21,7 @@ from ..core import Checkpoint
 from ..errors import StateMismatchError
 from ..formats import open_checkpoint
 from ..geometry import Box
-from ..storage import LocalFiles, RemoteFiles, is_url
+from ..storage import LocalFiles, RemoteFiles, is_url, local_path
 from ..tmformat.checkpoint import is_checkpoint_folder, read_manifest, root_of
 from ..tmformat.reader import BoxReader
 from ..torch_arrays import as_numpy, to_torch, vocabulary
@@ -51,7 +50,7 @@ def _open_source(path: str | os.PathLike[str], storage_options: dict[str, Any] |
     if is_url(path):
         remote = RemoteFiles(os.fspath(path), storage_options)
         return BoxReader(read_manifest(remote, remote.url), remote, remote.url, verify=verify), "tensormorph"
-    local = Path(os.fspath(path).removeprefix("file://"))
+    local = local_path(path)
     if is_checkpoint_folder(local):
         root = root_of(local)
         files = LocalFiles(root)

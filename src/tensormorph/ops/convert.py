@@ -33,6 +33,7 @@ from ..errors import CheckpointError
 from ..formats import opened
 from ..geometry import split_box
 from ..safe_pickle import is_plain
+from ..storage import create_new
 from ..tmformat.layout import SHARD_PATTERN, local_box, parse_placement
 from ..tmformat.stream import TensorSpec, write_file
 from ..tmformat.writer import Piece, SaveTransaction
@@ -173,7 +174,8 @@ def _to_safetensors(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
                      "weight_map": {spec.name: name for name, shard in zip(names, shards) for spec in shard}}
-            (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            with create_new(staging / "model.safetensors.index.json") as f:
+                f.write((json.dumps(index, indent=2) + "\n").encode())
         if destination.exists():
             destination.rmdir()
         os.replace(staging, destination)

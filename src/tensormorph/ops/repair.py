@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from ..storage import LocalFiles
+from ..storage import LocalFiles, create_new
 from ..tmformat.checkpoint import read_manifest, root_of
 from ..tmformat.checksums import RunningCrc
 from ..tmformat.integrity import file_problem
@@ -76,8 +76,7 @@ def write_checked(path: Path, chunks: Iterable[bytes]) -> tuple[int, int]:
     checkpoint folder, which anyone may have planted links in.
     """
     running = RunningCrc()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "wb") as f:
+    with create_new(path) as f:
         for chunk in running.passing(chunks):
             f.write(chunk)
         f.flush()

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..core import Checkpoint
 from ..formats import opened
-from .spec import PlanError, accelerate_device
+from .spec import STORED_DTYPES, PlanError, accelerate_device
 
 if TYPE_CHECKING:  # for annotations only: result imports this module for Plan.load
     from .result import Plan
 
-_PLAN_DTYPES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
+# a plan's dtype -> the vocabulary's name of it (fp8 -> F8_E4M3, the first of the two fp8 spellings)
+_PLAN_VOCABULARY = {planned: stored for stored, planned in reversed(STORED_DTYPES.items())}
 
 
 def resident(model: Any) -> dict[str, int]:
@@ -44,9 +45,7 @@ def load_plan(plan: Plan, checkpoint: str | Path | Checkpoint, model: Any = None
               devices: Mapping[str, int | str] | None = None) -> Any:
     """See `Plan.load`: each tensor is read, cast when the plan set a dtype, and moved to its device alone,
     so host memory holds one tensor at a time."""
-    import torch
-
-    from ..torch_arrays import to_torch  # imports torch: only loading a plan needs it
+    from ..torch_arrays import to_torch, torch_dtype  # import torch: only loading a plan needs them
 
     if plan.device_map is None:
         raise PlanError("a tensor-parallel plan is loaded by a tensor-parallel runtime (vLLM, llama.cpp "
@@ -54,7 +53,7 @@ def load_plan(plan: Plan, checkpoint: str | Path | Checkpoint, model: Any = None
     target = {d.name: _as_torch_device(accelerate_device(d.device, devices)) for d in plan.devices}
     unit_of = {t.name: u.name for u in plan.model.units for t in u.tensors}
     tied = {t.name for u in plan.model.units for t in u.tensors if t.tied_to}
-    cast = getattr(torch, _PLAN_DTYPES[plan.workload.dtype]) if plan.workload.dtype else None
+    cast = torch_dtype(_PLAN_VOCABULARY[plan.workload.dtype]) if plan.workload.dtype else None
     loaded: dict[str, Any] = {}
     with ExitStack() as stack:
         ck = opened(checkpoint, stack)

@@ -11,10 +11,11 @@ import builtins  # `list` names a method of the stores: their annotations say bu
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from .local import LocalFiles
-from .remote import RemoteFiles, is_url
+from .local import NEW_FILE_FLAGS, LocalFiles, create_new
+from .remote import RemoteFiles, is_url, local_path
 
-__all__ = ["ByteStore", "LocalFiles", "MappableStore", "RemoteFiles", "is_url"]
+__all__ = ["NEW_FILE_FLAGS", "ByteStore", "LocalFiles", "MappableStore", "RemoteFiles", "create_new", "is_url",
+           "local_path"]
 
 Run = tuple[int, int]  # [begin, end) byte offsets in one file
 

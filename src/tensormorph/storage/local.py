@@ -14,13 +14,23 @@ import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import HeaderError, MissingFileError, TruncatedFileError, UnsafePathError
 
 _EMPTY = memoryview(b"")
 ADVICE_PIECE = 8 * 1024**2
 READ_PIECE = 64 * 1024**2
+
+
+# Every file we create inside a folder a user gave us (a save, a repair, a conversion, a cache) is a new file:
+# an existing file or a planted link at its name is refused, never followed or truncated.
+NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+
+
+def create_new(path: Path) -> BinaryIO:
+    """A new file at `path`, open for writing (see NEW_FILE_FLAGS)."""
+    return os.fdopen(os.open(path, NEW_FILE_FLAGS, 0o644), "wb")
 
 
 def pread_into(fd: int, offset: int, target: memoryview, where: str) -> None:
@@ -134,26 +144,29 @@ class LocalFiles:
 
     def read_into(self, name: str, offset: int, target: memoryview) -> None:
         """Fill `target` with the file's bytes from `offset` (pread in large pieces, no page mapping)."""
-        self.read_runs(name, [(offset, offset + len(target))], target)
+        self._pread(name, [(offset, target)])
 
     def read_runs(self, name: str, runs: Sequence[tuple[int, int]], target: memoryview) -> None:
-        # one descriptor per call, for all its runs: nothing stays open between calls, so a store holds no
-        # descriptors a caller could run out of, and no number is shared across threads
-        fd, where, position = self._open(name), self.describe(name), 0
-        try:
-            for begin, end in runs:
-                pread_into(fd, begin, target[position:position + end - begin], where)
-                position += end - begin
-        finally:
-            os.close(fd)
+        pieces, position = [], 0
+        for begin, end in runs:
+            pieces.append((begin, target[position:position + end - begin]))
+            position += end - begin
+        self._pread(name, pieces)
 
     def read_ranges(self, name: str, runs: Sequence[tuple[int, int]]) -> builtins.list[bytes]:
-        out = []
-        for begin, end in runs:
-            buffer = bytearray(end - begin)
-            self.read_into(name, begin, memoryview(buffer))
-            out.append(bytes(buffer))
-        return out
+        buffers = [bytearray(end - begin) for begin, end in runs]
+        self._pread(name, [(begin, memoryview(buffer)) for (begin, _), buffer in zip(runs, buffers)])
+        return [bytes(buffer) for buffer in buffers]
+
+    def _pread(self, name: str, pieces: Sequence[tuple[int, memoryview]]) -> None:
+        """Fill each (offset, target) piece, through one descriptor opened for this call only: a store holds no
+        descriptors between calls that a caller could run out of, and none is shared between threads."""
+        fd, where = self._open(name), self.describe(name)
+        try:
+            for offset, target in pieces:
+                pread_into(fd, offset, target, where)
+        finally:
+            os.close(fd)
 
     def _open(self, name: str) -> int:
         path = self.resolve(name)

@@ -6,6 +6,7 @@ import builtins  # `list` names a method of the stores: their annotations say bu
 import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ..errors import HeaderError, MissingFileError, TruncatedFileError, UnsafePathError
@@ -15,6 +16,11 @@ REMOTE_GAP = 4096  # runs closer than this are fetched in one request: a request
 
 def is_url(path: str | os.PathLike[str]) -> bool:
     return "://" in os.fspath(path) and not os.fspath(path).startswith("file://")
+
+
+def local_path(path: str | os.PathLike[str]) -> Path:
+    """A local path, given plainly or as a file:// URL."""
+    return Path(os.fspath(path).removeprefix("file://"))
 
 
 class RemoteFiles:

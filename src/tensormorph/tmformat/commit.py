@@ -25,14 +25,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointError
-from ..storage import is_url
+from ..storage import NEW_FILE_FLAGS, create_new, is_url, local_path
 from .manifest import INIT_PREFIX, MANIFEST, SAVE_MARKER, TEMP_PREFIX
 from .stream import OutputFile
-
-
-def _local_path(path: str | os.PathLike) -> Path:
-    text = os.fspath(path)
-    return Path(text[len("file://"):] if text.startswith("file://") else text)
 
 
 def store(target: Destination, name: str, chunks: Iterable[bytes]) -> None:
@@ -49,7 +44,7 @@ class LocalDestination:
     """A folder on a local file system, committed by an atomic rename."""
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = False):
-        self.final = _local_path(path).absolute()
+        self.final = local_path(path).absolute()
         self.overwrite = overwrite
         self.work: Path | None = None
         self._marker: BinaryIO | None = None  # held open (and locked) by the preparing process
@@ -70,8 +65,7 @@ class LocalDestination:
         init = self.final.parent / f"{INIT_PREFIX}{uuid.uuid4().hex[:12]}"
         init.mkdir()
         # held open, and locked, past this call until the commit or abort: _release_marker closes it
-        marker = os.open(init / SAVE_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        self._marker = os.fdopen(marker, "wb")
+        self._marker = create_new(init / SAVE_MARKER)
         _HELD_MARKERS.add(self._marker.fileno())
         try:
             fcntl.flock(self._marker.fileno(), fcntl.LOCK_EX)
@@ -216,7 +210,7 @@ class _EarlyWriteback(io.RawIOBase):
 
     def __init__(self, path: Path):
         super().__init__()
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        self._fd = os.open(path, NEW_FILE_FLAGS, 0o644)
         self._position = self._flushed = 0
 
     def writable(self) -> bool:
@@ -328,8 +322,7 @@ def _exchange(a: Path, b: Path) -> bool:
 def _write_durably(path: Path, data: bytes) -> None:
     """Write a small file under a temporary name, fsync it and rename it into place."""
     part = path.with_name(path.name + ".part")
-    # a new file that refuses a planted link, like every file a save creates in its folder
-    with os.fdopen(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb") as f:
+    with create_new(part) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

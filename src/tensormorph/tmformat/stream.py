@@ -22,6 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from .. import dtypes
+from ..storage import create_new
 from .checksums import CHECKSUM_BLOCK, BlockCrcs, RunningCrc
 
 
@@ -111,8 +112,7 @@ def write_stream(f: OutputFile, tensors: Iterable[tuple[TensorSpec, Iterable[np.
 def write_file(path: Path, tensors: Iterable[tuple[TensorSpec, Iterable[np.ndarray]]],
                metadata: dict[str, str] | None = None) -> int:
     """Write and fsync a safetensors file (see write_stream); returns the bytes written."""
-    # a new file that refuses a planted link: writers create their files in folders a user gave us
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb") as f:
+    with create_new(path) as f:
         written = write_stream(f, tensors, metadata)
         f.flush()
         os.fsync(f.fileno())
