@@ -85,7 +85,9 @@ def write_checked(path: Path, chunks: Iterable[bytes]) -> tuple[int, int]:
 
 
 def _rewrite(files: LocalFiles, name: str, record: FileRecord, chunks: Iterable[bytes]) -> None:
-    final = files.resolve(name)
+    files.resolve(name)  # confined to the folder
+    # The rebuilt file replaces the name itself: were it a planted link, its target is left alone
+    final = files.root / name
     part = final.with_name(f".{final.name}.repair-{uuid.uuid4().hex[:12]}")
     size, value = write_checked(part, chunks)
     if (size, value) != (record.size, record.crc32c):
