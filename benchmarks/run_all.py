@@ -30,6 +30,7 @@ BENCHMARKS = [
     ("bench_redundancy", "redundancy"),
     ("bench_train_async", "train_async"),
     ("bench_plan", "plan"),
+    ("bench_tiling", "tiling"),
 ]
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 README = REPO / "README.md"

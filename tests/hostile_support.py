@@ -360,16 +360,19 @@ def save_metadata(folder: Path, metadata: Any) -> None:
 # ---------------------------------------------------------------------------
 
 _BOUNDED_PROBE = """
-import json, resource, sys, time, traceback
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+import json, sys, time
+def peak_kib():  # VmHWM: ru_maxrss would carry the parent's peak across exec
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+before = peak_kib()
 started = time.perf_counter()
 try:
-    exec(compile(sys.argv[1], "<case>", "exec"), {})
+    exec(compile(sys.argv[1], "<case>", "exec"), globals())  # the setup's names are visible
     outcome = None
 except BaseException as exc:
     outcome = [type(exc).__name__, str(exc)]
 print(json.dumps({"seconds": time.perf_counter() - started, "outcome": outcome,
-                  "grown_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024}))
+                  "grown_mib": (peak_kib() - before) / 1024}))
 """
 
 

@@ -34,6 +34,7 @@ from tensormorph.cli import main
 from tensormorph.errors import CheckpointError, HeaderError, MissingFileError, TruncatedFileError, UnsupportedError
 from tensormorph.formats import gguf as reader
 from tensormorph.formats.gguf import quantized
+from tensormorph.formats.gguf.header import MAX_METADATA_ITEMS, MAX_TENSORS
 from tensormorph.ops.summary import describe
 from tensormorph.server import create_app
 from tensormorph.storage import LocalFiles
@@ -441,6 +442,8 @@ HOSTILE = [
     ("overlap", gguf_file(infos=[F32_4, info("v", (16,))], data=bytes(64)), HeaderError, "overlap"),
     ("duplicate tensor", gguf_file(infos=[F32_4, info("w", (4,), 0, 32)], data=bytes(64)), HeaderError,
      "appears twice"),
+    ("tensor infos", gguf_file(counts=(MAX_TENSORS + 1, 0)), HeaderError,
+     f"claims {MAX_TENSORS + 1} tensor records, over the limit of {MAX_TENSORS}"),
     ("name utf-8", gguf_file(infos=[info(b"\xff\xfe", (4,))], data=bytes(16)), HeaderError, "not valid UTF-8"),
     ("version 1", b"GGUF" + u32(1) + bytes(16), UnsupportedError, "version 1"),
     ("big-endian", b"GGUF" + struct.pack(">I", 3) + bytes(16), UnsupportedError, "big-endian"),
@@ -467,6 +470,32 @@ def test_tensor_errors_name_the_tensor(tmp_path: Path) -> None:
     with pytest.raises(HeaderError) as caught:
         tm.open(path)
     assert caught.value.tensor == "blk.3.w" and caught.value.file == str(path)
+
+
+def test_metadata_items_are_counted_across_key_values(tmp_path: Path) -> None:
+    """Each key/value alone is under MAX_METADATA_ITEMS; together they are over it (the count runs across the
+    whole header, not per array), and the error names the key/value that crosses it."""
+    half = MAX_METADATA_ITEMS // 2 + 1
+    nested = u32(9) + u64(1) + u32(7) + u64(half) + bytes(half)  # [[False] * half]: decoded on open
+    path = tmp_path / "items.gguf"
+    path.write_bytes(gguf_file([kv("a", 9, nested)]))
+    with tm.open(path, format="gguf") as ck:
+        assert ck.metadata["a"] == [[False] * half]
+    path.write_bytes(gguf_file([kv("a", 9, nested), kv("b", 9, nested)]))
+    with pytest.raises(HeaderError, match=f"the items of array 'b': the metadata holds more than "
+                                          f"{MAX_METADATA_ITEMS} values and array items, over the limit"):
+        tm.open(path, format="gguf")
+
+
+def test_long_arrays_of_arrays_are_summarised_and_load_whole(tmp_path: Path) -> None:
+    """A long array whose items are arrays: walked past on open (its first items shown), read whole on demand."""
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(gguf_file([kv("a", 9, u32(9) + u64(65) + (u32(4) + u64(2) + u32(1) + u32(2)) * 65),
+                                kv("b", 4, u32(7))]))
+    with tm.open(path, format="gguf") as ck:
+        assert ck.metadata["a"] == "65 x ARRAY [[1, 2], [1, 2], [1, 2], [1, 2], [1, 2], ...]"
+        assert ck.metadata["b"] == 7
+        assert ck.objects["a"].value() == [[1, 2]] * 65
 
 
 def open_and_read_everything(path: Path) -> CheckpointError | dict[str, np.ndarray]:

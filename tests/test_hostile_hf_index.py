@@ -26,6 +26,9 @@ from hypothesis import strategies as st
 
 import tensormorph as tm
 from tensormorph.errors import CheckpointError, HeaderError, MissingFileError, TensorNotFoundError, UnsafePathError
+from tensormorph.formats import hf_sharded
+from tensormorph.formats.hf_sharded import MAX_INDEX_BYTES, MAX_INDEX_FILES, MAX_INDEX_TENSORS
+from tensormorph.storage import MAX_JSON_VALUES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -90,8 +93,11 @@ HF_SEED = json.dumps({"metadata": {"total_size": 44}, "weight_map": {"a": SHARD1
 
 def hf_index_verdict(content: bytes, folder: Path) -> type[CheckpointError] | None:
     """The error an index with `content` in `folder` (a copy of hf_folder) must raise, None when it opens: the
-    index is checked whole first (JSON object, weight_map of file names inside the folder, metadata object),
-    then the shards in the order the index first names them."""
+    index is checked whole first (its size and number of JSON values, a JSON object, a weight_map of at most
+    MAX_INDEX_TENSORS names and MAX_INDEX_FILES file names inside the folder, a metadata object), then the shards
+    in the order the index first names them."""
+    if len(content) > MAX_INDEX_BYTES or sum(content.count(c) for c in b",[{:") + 1 > MAX_JSON_VALUES:
+        return HeaderError
     try:
         index = json.loads(content.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -99,7 +105,11 @@ def hf_index_verdict(content: bytes, folder: Path) -> type[CheckpointError] | No
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         return HeaderError
     weight_map = index["weight_map"]
+    if len(weight_map) > MAX_INDEX_TENSORS:
+        return HeaderError
     if not all(isinstance(file, str) for file in weight_map.values()):
+        return HeaderError
+    if len(set(weight_map.values())) > MAX_INDEX_FILES:
         return HeaderError
     if any(escapes(folder, file) for file in weight_map.values()):
         return UnsafePathError
@@ -161,3 +171,21 @@ def test_hf_index_detection_of_non_object_json(hf_folder: Path, text: str) -> No
     folder = write_index(hf_folder, text)
     result = outcome(lambda: tm.open(folder))
     assert isinstance(result, CheckpointError)
+
+
+def test_hf_index_limits_the_tensors_and_files_it_names(hf_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An index names at most MAX_INDEX_TENSORS tensors and MAX_INDEX_FILES files (each is opened and read);
+    both are checked before any file is looked at (small limits here stand for the real ones)."""
+    folder = write_index(hf_folder, {"weight_map": {"a": SHARD1, "b": SHARD1, "c": SHARD2}})
+    monkeypatch.setattr(hf_sharded, "MAX_INDEX_TENSORS", 2)
+    with pytest.raises(HeaderError, match="weight_map names 3 tensors, over the limit of 2") as info:
+        tm.open(folder)
+    assert info.value.file == str(folder / "model.safetensors.index.json")
+    monkeypatch.setattr(hf_sharded, "MAX_INDEX_TENSORS", 3)
+    monkeypatch.setattr(hf_sharded, "MAX_INDEX_FILES", 1)
+    with pytest.raises(HeaderError, match="weight_map names 2 files, over the limit of 1"):
+        tm.open(folder)
+    monkeypatch.setattr(hf_sharded, "MAX_INDEX_FILES", 2)
+    with tm.open(folder) as ck:
+        assert list(ck) == ["a", "b", "c"]
+    shutil.rmtree(folder)

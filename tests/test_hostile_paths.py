@@ -92,3 +92,14 @@ def test_nul_byte_in_a_named_file_is_a_checkpoint_error(dcp_seed: Path, hf_folde
     else:
         folder = write_index(hf_folder, {"weight_map": {"a": "model\x00.safetensors"}})
     assert isinstance(outcome(lambda: tm.open(folder)), CheckpointError)
+
+
+def test_megatron_detection_reads_no_metadata_json_linked_out_of_the_folder(dcp_seed: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    folder = copy_dcp(dcp_seed, tmp_path / "ck")
+    (folder / "metadata.json").symlink_to(outside)
+    assert tm.detect(folder) == "dcp"  # the link is not followed: a plain DCP folder, not a Megatron one
+    (folder / "metadata.json").unlink()
+    (folder / "metadata.json").write_text(outside.read_text())
+    assert tm.detect(folder) == "megatron-torch-dist"

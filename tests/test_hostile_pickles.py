@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import collections
 import io
 import pickle
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,15 +124,103 @@ def only_plain_values(value: Any, seen: set[int] | None = None) -> bool:
     return False
 
 
+class Changed(Exception):
+    """The reference changed an object in a way safe_pickle refuses (with a HeaderError)."""
+
+
+def _reachable(value: Any, into: dict[int, Any]) -> None:
+    """Add `value` and every object inside it (elements, keys, values, instance attributes) to `into`."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if id(item) not in into:
+            into[id(item)] = item
+            if isinstance(item, (list, tuple, set, frozenset)):
+                pending.extend(item)
+            elif isinstance(item, dict):
+                pending.extend([*item.keys(), *item.values()])
+            attributes = getattr(item, "__dict__", None)
+            if type(attributes) is dict:
+                pending.extend([*attributes.keys(), *attributes.values()])
+
+
+_BASE = pickle._Unpickler.dispatch
+
+
+def _then(handler: Callable[[Any], None], after: Callable[[Any], None]) -> Callable[[Any], None]:
+    return lambda self: (handler(self), after(self))[-1]
+
+
+def _check(before: Callable[[Any], None], handler: Callable[[Any], None]) -> Callable[[Any], None]:
+    return lambda self: (before(self), handler(self))[-1]
+
+
+class PolicyReference(ReferenceUnpickler):
+    """The reference unpickler held to safe_pickle's rules for changing objects, written from the rules: APPEND(S),
+    SETITEM(S) and ADDITEMS change only a list, dict or set, and BUILD only a record that a call has just created
+    (once); neither once the object, or one holding it, has been referred to again (GET, DUP) or passed to a call
+    (so no cycles). Extension codes (copyreg's process-wide registry) are refused."""
+
+    def __init__(self, stream: io.BytesIO):
+        super().__init__(stream)
+        self.referred: dict[int, Any] = {id(v): v for v in safe_pickle.BASE_GLOBALS.values()}
+        self.created: dict[int, Any] = {}
+
+    def refer(self, value: Any) -> None:
+        _reachable(value, self.referred)
+
+    def note(self) -> None:
+        value = self.stack[-1]
+        if id(value) not in self.referred and (isinstance(value, collections.OrderedDict)
+                                               or getattr(type(value), "__setstate__", None) is not None):
+            self.created[id(value)] = value
+
+    def change(self, target: Any, kind: type, parts: int) -> None:
+        if not isinstance(target, kind) or (parts and id(target) in self.referred):
+            raise Changed(f"{type(target).__name__} changed")
+
+    def build(self) -> None:
+        target, state = self.stack[-2], self.stack[-1]
+        if self.created.pop(id(target), None) is not target:
+            raise Changed("BUILD on an object no call created")
+        self.change(target, object, 1)
+        if isinstance(target, collections.OrderedDict) and type(state) is not dict:
+            raise Changed("OrderedDict state that is not a dict")
+
+    def extension(self) -> None:
+        raise Changed("extension code")
+
+    dispatch = {
+        **_BASE,
+        **{op[0]: _then(_BASE[op[0]], lambda self: self.refer(self.stack[-1]))
+           for op in (pickle.GET, pickle.BINGET, pickle.LONG_BINGET, pickle.DUP)},
+        pickle.REDUCE[0]: _then(_check(lambda self: self.refer(self.stack[-1]), _BASE[pickle.REDUCE[0]]), note),
+        pickle.NEWOBJ[0]: _then(_check(lambda self: self.refer(self.stack[-1]), _BASE[pickle.NEWOBJ[0]]), note),
+        pickle.NEWOBJ_EX[0]: _then(_check(lambda self: self.refer(self.stack[-2:]), _BASE[pickle.NEWOBJ_EX[0]]),
+                                   note),
+        pickle.OBJ[0]: _then(_check(lambda self: self.refer(self.stack[1:]), _BASE[pickle.OBJ[0]]), note),
+        pickle.INST[0]: _then(_check(lambda self: self.refer(self.stack[:]), _BASE[pickle.INST[0]]), note),
+        pickle.APPEND[0]: _check(lambda self: self.change(self.stack[-2], list, 1), _BASE[pickle.APPEND[0]]),
+        pickle.SETITEM[0]: _check(lambda self: self.change(self.stack[-3], dict, 1), _BASE[pickle.SETITEM[0]]),
+        **{op[0]: _check(lambda self, kind=kind: self.change(self.metastack[-1][-1], kind, len(self.stack)),
+                         _BASE[op[0]])
+           for op, kind in ((pickle.APPENDS, list), (pickle.SETITEMS, dict), (pickle.ADDITEMS, set))},
+        pickle.BUILD[0]: _check(build, _BASE[pickle.BUILD[0]]),
+        pickle.EXT1[0]: extension,
+        pickle.EXT2[0]: extension,
+        pickle.EXT4[0]: extension,
+    }
+
+
 def pickle_verdict(payload: bytes) -> tuple[type[CheckpointError] | None, Any]:
     """(error class, None) that safe_pickle.loads must raise for `payload`, or (None, value) it must return."""
     try:
-        return None, ReferenceUnpickler(io.BytesIO(reference_stream(payload))).load()
+        return None, PolicyReference(io.BytesIO(reference_stream(payload))).load()
     except Refused:
         return UnsafePickleError, None
     except CheckpointError as exc:  # raised by a stand-in, such as _codecs.encode with another encoding
         return type(exc), None
-    except Exception:  # a malformed stream
+    except Exception:  # a malformed stream, or a change safe_pickle refuses (Changed)
         return HeaderError, None
 
 
@@ -139,11 +229,15 @@ def pickle_verdict(payload: bytes) -> tuple[type[CheckpointError] | None, Any]:
     lambda seed: st.builds(mutate, st.just(seed), edits(len(seed)))))
 @example(payload=b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00]\x94(K\x01K\x02e.")
 @example(payload=b"\x80\x05\x96\x03\x00\x00\x00\x00\x00\x00\x00abc.")
-@example(payload=b"\x80\x04]\x94h\x00a.")
+@example(payload=b"\x80\x04]\x94h\x00a.")  # a list that holds itself: refused
+@example(payload=b"\x80\x04]\x94\x85h\x00K\x01a.")  # a list changed after a tuple took it in: refused
+@example(payload=b"\x80\x02ctorch\nfloat16\n}b.")  # BUILD onto a shared dtype: refused
+@example(payload=b"\x80\x02ccollections\nOrderedDict\n)R}X\x01\x00\x00\x00aK\x01sb.")  # a state dict's _metadata
 @example(payload=b"\x80\x05\x96\xff\xff\xff\xff\x00\x00\x00\x00abc.")
 @example(payload=b"\x80\x02cos\nsystem\n.")
 def test_safe_pickle_random_bytes(payload: bytes) -> None:
-    """safe_pickle decodes any stream exactly as the standard unpickler with the same allowlist would."""
+    """safe_pickle decodes any stream exactly as the standard unpickler with the same allowlist would, held to the
+    rules for changing objects (PolicyReference)."""
     assume(not huge_memo_index(payload))
     expected, value = pickle_verdict(payload)
     result = outcome(lambda: safe_pickle.loads(payload, file="x.pkl"))

@@ -13,6 +13,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+import safetensors
 import safetensors.numpy
 from hostile_support import FUZZ, edits, json_scalars, json_values, mutate, outcome
 from hypothesis import event, example, given, settings
@@ -23,6 +24,7 @@ from tensormorph.dtypes import NUMPY_DTYPES
 from tensormorph.errors import CheckpointError, HeaderError, TruncatedFileError, UnknownFormatError
 from tensormorph.formats.safetensors import MAX_HEADER_BYTES
 from tensormorph.ops.stats import tensor_stats
+from tensormorph.storage import MAX_JSON_VALUES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,8 +85,10 @@ def headers(draw: st.DrawFn) -> Any:
 
 
 def safetensors_verdict(blob: bytes) -> type[CheckpointError] | None:
-    """The error the safetensors rules demand for `blob` (its first problem in file order), or None for a valid
-    file: the spec stated independently of the reader, so every fuzz input has one right outcome."""
+    """The outcome the reference demands for `blob`: None when the safetensors library itself reads it (and none
+    of our stricter rules refuses it), else the error. TruncatedFileError where the file is only too short for
+    what its header promises (the length prefix, or the tensors' data: the same file padded with zeros reads);
+    HeaderError for every other problem."""
     if len(blob) < 8:
         return TruncatedFileError
     (length,) = struct.unpack("<Q", blob[:8])
@@ -92,44 +96,72 @@ def safetensors_verdict(blob: bytes) -> type[CheckpointError] | None:
         return HeaderError
     if length > len(blob) - 8:
         return TruncatedFileError
+    text = blob[8:8 + length]
+    if sum(text.count(c) for c in b",[{:") + 1 > MAX_JSON_VALUES:
+        return HeaderError
+    if reference_reads(blob):
+        return HeaderError if stricter_than_reference(text) else None
+    needed = declared_data_end(text)
+    if needed is not None and needed > len(blob) - 8 - length and not stricter_than_reference(text):
+        with tempfile.TemporaryDirectory() as folder:
+            padded = Path(folder) / "padded.safetensors"
+            padded.write_bytes(blob)
+            with padded.open("r+b") as f:
+                f.truncate(8 + length + needed)  # sparse: the reference maps it and reads no data
+            if reference_opens(padded):
+                return TruncatedFileError
+    return HeaderError
+
+
+def reference_reads(blob: bytes) -> bool:
+    """Whether the safetensors library reads `blob` (its header validation, Metadata::validate)."""
     try:
-        header = json.loads(blob[8:8 + length].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return HeaderError
-    if not isinstance(header, dict):
-        return HeaderError
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                 for k, v in metadata.items()):
-        return HeaderError
-    spans = []
-    for entry in header.values():
-        problem = _safetensors_entry_problem(entry, len(blob) - 8 - length)
-        if problem is not None:
-            return problem
-        spans.append(tuple(entry["data_offsets"]))
-    spans = sorted((begin, end) for begin, end in spans if end > begin)
-    if any(b1 < e0 for (_, e0), (b1, _) in zip(spans, spans[1:])):
-        return HeaderError  # overlapping data
-    return None
+        safetensors.deserialize(blob)
+    except safetensors.SafetensorError:
+        return False
+    return True
 
 
-def _safetensors_entry_problem(entry: Any, data_len: int) -> type[CheckpointError] | None:
-    if type(entry) is not dict:
-        return HeaderError
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if type(dtype) is not str or dtype not in NUMPY_DTYPES:
-        return HeaderError
-    if type(shape) is not list or not all(type(d) is int and 0 <= d < 2**62 for d in shape):
-        return HeaderError  # `type(d) is int` also refuses booleans
-    if (type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1]):
-        return HeaderError
-    if offsets[1] - offsets[0] != math.prod(shape) * NUMPY_DTYPES[dtype].itemsize:
-        return HeaderError
-    if offsets[1] > data_len:
-        return TruncatedFileError
-    return None
+def reference_opens(path: Path) -> bool:
+    """reference_reads for a file (the library maps it), so a sparse file stands for a large one."""
+    try:
+        with safetensors.safe_open(str(path), "numpy"):
+            return True
+    except safetensors.SafetensorError:
+        return False
+
+
+class Pairs(list):
+    """A JSON object as its list of (key, value) pairs, repeats kept (json.loads object_pairs_hook)."""
+
+
+def stricter_than_reference(text: bytes) -> bool:
+    """Headers the reference reads but we refuse on purpose: a tensor named twice (the library keeps the last),
+    an entry spelt as a list of its fields, a dimension of 2**62 or more (numpy cannot shape it), a dtype numpy
+    cannot hold (F4, F6_E2M3, F6_E3M2)."""
+    pairs = json.loads(text, object_pairs_hook=Pairs)
+    names = [name for name, _ in pairs if name != "__metadata__"]
+    if len(set(names)) != len(names):
+        return True
+    for name, entry in pairs:
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, Pairs):
+            return True
+        fields = dict(entry)
+        if fields["dtype"] not in NUMPY_DTYPES or any(d >= 2**62 for d in fields["shape"]):
+            return True
+    return False
+
+
+def declared_data_end(text: bytes) -> int | None:
+    """Where the tensors' data ends by the header's own offsets (their largest end), when it says."""
+    try:
+        header = json.loads(text)
+        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    except Exception:  # any header this cannot read has other problems first
+        return None
+    return max(ends, default=0) if all(type(end) is int and 0 <= end < 2**62 for end in ends) else None
 
 
 def detected_as_safetensors(blob: bytes) -> bool:
@@ -155,14 +187,18 @@ def assert_safetensors_outcome(blob: bytes, file: Path, target: Path, format: st
     assert not isinstance(result, CheckpointError), result
     (length,) = struct.unpack("<Q", blob[:8])
     header, data = json.loads(blob[8:8 + length]), blob[8 + length:]
+    reference = {name: (info["dtype"], info["shape"], bytes(info["data"]))
+                 for name, info in safetensors.deserialize(blob)}
     with result as ck:
         assert ck.format == "safetensors"
         assert dict(ck.metadata) == (header.pop("__metadata__", None) or {})
-        assert set(ck) == set(header)
+        assert set(ck) == set(header) == set(reference)
         for name, tensor in ck.items():
             begin, end = header[name]["data_offsets"]
-            assert tensor.dtype == header[name]["dtype"] and list(tensor.shape) == header[name]["shape"]
+            assert (tensor.dtype, list(tensor.shape)) == reference[name][:2] == (header[name]["dtype"],
+                                                                                 header[name]["shape"])
             assert tensor.chunks[0].byte_range == (8 + length + begin, 8 + length + end)
+            assert data[begin:end] == reference[name][2]
             stored = np.frombuffer(data[begin:end], np.uint8)
             if tensor.dtype == "BOOL":  # any non-zero byte is True; numpy copies normalise it to 1
                 assert np.array_equal(tensor.full().reshape(-1), stored != 0)
@@ -286,9 +322,12 @@ GOOD = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
     ({"w": {**GOOD, "data_offsets": [16, 0]}}, 16, HeaderError, "begin <= end"),
     ({"w": {**GOOD, "data_offsets": [-16, 0]}}, 16, HeaderError, "data_offsets"),
     ({"w": {**GOOD, "data_offsets": [0, 16, 32]}}, 16, HeaderError, "data_offsets"),
-    ({"w": {**GOOD, "data_offsets": [2**64, 2**64 + 16]}}, 16, TruncatedFileError, "data ends at byte"),
-    ({"w": {**GOOD, "data_offsets": [8, 24]}}, 16, TruncatedFileError, "data ends at byte 24"),
+    ({"w": {**GOOD, "data_offsets": [2**64, 2**64 + 16]}}, 16, HeaderError, "data_offsets"),  # no 64-bit int
+    ({"w": {**GOOD, "data_offsets": [8, 24]}}, 24, HeaderError, r"its data \[8, 24\) leaves a gap after byte 0"),
+    ({"w": GOOD}, 12, TruncatedFileError, "data ends at byte 16 of the data section, but the file holds only 12"),
+    ({"w": GOOD}, 20, HeaderError, "the file holds 4 more bytes"),
     ({"w": GOOD, "v": {**GOOD, "data_offsets": [8, 24]}}, 32, HeaderError, "overlap"),
+    ({"w": GOOD, "v": {**GOOD, "data_offsets": [24, 40]}}, 40, HeaderError, "leaves a gap after byte 16"),
     ({"w": GOOD, "__metadata__": ["a"]}, 16, HeaderError, "__metadata__"),
     ({"w": GOOD, "__metadata__": {"k": 1}}, 16, HeaderError, "__metadata__"),
     ({"w": GOOD, "__metadata__": "text"}, 16, HeaderError, "__metadata__"),
@@ -303,8 +342,129 @@ def test_safetensors_bad_headers_name_the_problem(tmp_path: Path, header: Any, d
     with pytest.raises(error, match=message) as info:
         tm.open(path, "safetensors")
     assert str(path) in str(info.value)
-    if isinstance(header, dict) and "w" in header and "overlap" not in message and "__metadata__" not in message:
+    if isinstance(header, dict) and list(header) == ["w"] and "more bytes" not in message:
         assert info.value.tensor == "w"
+    assert safetensors_verdict(path.read_bytes()) is error  # the reference refuses it too
+
+
+ENTRY = '{"dtype":"F32","shape":[%d],"data_offsets":[%d,%d]}'
+
+
+def entry(begin: int, end: int) -> str:
+    return ENTRY % ((end - begin) // 4, begin, end)
+
+
+def obj(*pairs: tuple[str, str]) -> str:
+    """A JSON object spelt from (key, JSON text) pairs, repeats and all."""
+    return "{" + ",".join(f'"{key}":{value}' for key, value in pairs) + "}"
+
+
+@pytest.mark.parametrize("text, data_len, message, tensor", [
+    (obj(("a", entry(0, 8)), ("a", entry(0, 8))), 8, "names the tensor twice", "a"),  # the library keeps the last
+    (obj(("a", entry(0, 0)), ("a", entry(0, 8))), 8, "names the tensor twice", "a"),  # ... and reads 2 floats
+    (obj(("a", entry(0, 8)), ("b", entry(8, 16)), ("a", entry(8, 16))), 16, "names the tensor twice", "a"),
+    (obj(("__metadata__", "{}"), ("a", entry(0, 8)), ("__metadata__", "{}")), 8, "repeats __metadata__", None),
+    ('{"a":{"dtype":"F32","shape":[2],"dtype":"F32","data_offsets":[0,8]}}', 8, "repeats the field 'dtype'", "a"),
+    ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"data_offsets":[0,8]}}', 8, "the field 'data_offsets'",
+     "a"),
+])
+def test_safetensors_repeated_keys_are_refused(tmp_path: Path, text: str, data_len: int, message: str,
+                                               tensor: str | None) -> None:
+    """json keeps the last of repeated keys silently; a tensor named twice is ambiguous (another reader may take
+    the first), so it is refused, as the library refuses a repeated field or __metadata__."""
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(safetensors_bytes(None, bytes(data_len), raw_header=text.encode()))
+    with pytest.raises(HeaderError, match=message) as info:
+        tm.open(path, "safetensors")
+    assert info.value.tensor == tensor and info.value.file == str(path)
+    assert safetensors_verdict(path.read_bytes()) is HeaderError
+
+
+@pytest.mark.parametrize("text, metadata", [
+    (obj(("__metadata__", '{"k":"1","k":"2"}'), ("a", entry(0, 8))), {"k": "2"}),
+    ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1,"x":[2]}}', {}),
+])
+def test_safetensors_repeats_the_library_reads_read_as_it_does(tmp_path: Path, text: str,
+                                                               metadata: dict[str, str]) -> None:
+    """A repeated metadata key (the last wins) or unknown field (ignored) is read, as the library reads it."""
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(safetensors_bytes(None, bytes(range(8)), raw_header=text.encode()))
+    assert reference_reads(path.read_bytes())
+    with tm.open(path, "safetensors") as ck:
+        assert dict(ck.metadata) == metadata and ck["a"].full().tobytes() == bytes(range(8))
+
+
+@pytest.mark.parametrize("spans, data_len, error, message, tensor", [
+    ([("b", 8, 16), ("a", 0, 8)], 16, None, None, None),  # listed out of order, contiguous in order of offsets
+    ([("z", 8, 8), ("a", 0, 8), ("b", 8, 16), ("e", 16, 16)], 16, None, None, None),  # empty ones between
+    ([("a", 8, 16)], 16, HeaderError, r"its data \[8, 16\) leaves a gap after byte 0", "a"),
+    ([("b", 12, 20), ("a", 0, 8)], 20, HeaderError, "leaves a gap after byte 8", "b"),
+    ([("a", 0, 8), ("b", 4, 12)], 12, HeaderError, "overlaps the data of 'a', which ends at 8", "b"),
+    ([("a", 0, 8), ("b", 0, 8)], 8, HeaderError, "overlaps the data of 'a'", "b"),
+    ([("a", 0, 8), ("z", 12, 12)], 12, HeaderError, "leaves a gap after byte 8", "z"),  # empty, past the data
+    ([("a", 0, 8)], 12, HeaderError, "the file holds 4 more bytes", None),
+    ([], 1, HeaderError, "the file holds 1 more bytes", None),
+    ([("b", 8, 16), ("a", 0, 8)], 12, TruncatedFileError, "data ends at byte 16 of the data section, but the file "
+     "holds only 12", "b"),
+])
+def test_safetensors_data_must_tile_the_file_as_the_library_requires(
+        tmp_path: Path, spans: list[tuple[str, int, int]], data_len: int, error: type[CheckpointError] | None,
+        message: str | None, tensor: str | None) -> None:
+    """The tensors' byte ranges, sorted, run from 0 to the end of the file without a gap or an overlap (the
+    reference's Metadata::validate and its check that the file is fully covered); the order they are listed
+    in does not matter."""
+    text = obj(*((name, entry(begin, end)) for name, begin, end in spans))
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(safetensors_bytes(None, bytes(data_len), raw_header=text.encode()))
+    assert reference_reads(path.read_bytes()) is (error is None)
+    assert safetensors_verdict(path.read_bytes()) is error
+    if error is None:
+        with tm.open(path, "safetensors") as ck:
+            assert {name: ck[name].chunks[0].byte_range for name in ck} == {
+                name: (8 + len(text) + begin, 8 + len(text) + end) for name, begin, end in spans}
+        return
+    with pytest.raises(error, match=message) as info:
+        tm.open(path, "safetensors")
+    assert info.value.tensor == tensor and info.value.file == str(path)
+
+
+@st.composite
+def laid_out_headers(draw: st.DrawFn) -> tuple[bytes, int]:
+    """(header text, data length) laid out the way writers lay files out (each tensor's data right after the
+    previous one's, listed in any order), then maybe one step off: an offset or the data length moved by a
+    byte or a value, a name repeated, __metadata__ of another type."""
+    names = draw(st.lists(st.text(min_size=1, max_size=3), min_size=1, max_size=5, unique=True))
+    specs = {name: (draw(st.sampled_from(SAFE_DTYPES)), draw(st.lists(st.integers(0, 3), max_size=3)))
+             for name in names}
+    pairs: list[tuple[str, Any]] = []
+    offset = 0
+    for name in draw(st.permutations(names)):
+        dtype, shape = specs[name]
+        size = math.prod(shape) * ITEMSIZE[dtype]
+        pairs.append((name, {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}))
+        offset += size
+    step = draw(st.sampled_from(["none", "none", "begin", "end", "repeat", "metadata"]))
+    at = draw(st.integers(0, len(pairs) - 1))
+    if step in ("begin", "end"):
+        pairs[at][1]["data_offsets"][1 if step == "end" else 0] += draw(st.sampled_from([-4, -1, 1, 4]))
+    elif step == "repeat":
+        pairs.insert(draw(st.integers(0, len(pairs))), (pairs[at][0], draw(plausible_entries())))
+    elif step == "metadata":
+        pairs.insert(draw(st.integers(0, len(pairs))), ("__metadata__", draw(json_values)))
+    text = "{" + ",".join(f"{json.dumps(k)}:{json.dumps(v)}" for k, v in pairs) + "}"
+    return text.encode(), max(0, offset + draw(st.sampled_from([0, 0, 0, -1, 1, 8])))
+
+
+@FUZZ
+@given(header=laid_out_headers(), seed=st.integers(0, 2**32 - 1))
+def test_safetensors_laid_out_headers(header: tuple[bytes, int], seed: int) -> None:
+    """Near-valid layouts: the outcome is the reference's (safetensors_verdict) in every case."""
+    text, data_len = header
+    blob = safetensors_bytes(None, np.random.default_rng(seed).bytes(data_len), raw_header=text)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "model.safetensors"
+        path.write_bytes(blob)
+        assert_safetensors_outcome(blob, path, path, "safetensors")
 
 
 @pytest.mark.parametrize("blob, error", [

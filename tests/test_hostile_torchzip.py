@@ -312,3 +312,19 @@ def test_legacy_torch_save_is_unsupported_with_a_clear_message(tmp_path: Path) -
     (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"w": "pytorch_model.bin"}}))
     with pytest.raises(UnsupportedError, match="legacy"):
         tm.open(tmp_path)
+
+
+@pytest.mark.parametrize("record", ["byteorder", "data/0", "version"])
+def test_a_record_outside_the_archives_folder_is_refused(record: str) -> None:
+    """torch's reader refuses a record outside the archive's one folder; so does ours, whichever record it is
+    (found by the DCP data-file fuzz test: a renamed byteorder record was silently skipped)."""
+    buffer = io.BytesIO()
+    torch.save({"w": torch.arange(4.0)}, buffer)
+    blob = buffer.getvalue()
+    prefix = zipfile.ZipFile(io.BytesIO(blob)).namelist()[0].split("/")[0]
+    name = f"{prefix}/{record}".encode()
+    central = blob.rindex(name)  # the central directory's copy of the name, after every local header
+    forged = blob[:central] + b"\x01" + blob[central + 1:]
+    with pytest.raises(HeaderError, match="outside the archive's folder"):
+        torchzip.load(memoryview(forged), file="forged.pt")
+    assert torchzip.load(memoryview(blob), file="seed.pt")["w"].shape == (4,)

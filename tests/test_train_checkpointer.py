@@ -379,7 +379,7 @@ def test_sampler_counts_what_training_consumed_not_what_workers_prefetched():
     assert sorted(i for b in taken + rest for i in b) == data
 
 
-def test_sampler_saved_at_the_end_of_an_epoch_resumes_with_the_next():
+def test_sampler_saved_at_the_end_of_an_epoch_resumes_there_then_goes_on_with_the_next():
     data = list(range(12))
     sampler = ResumableSampler(data, 1, 0)
     loader = DataLoader(data, batch_size=4, sampler=sampler, num_workers=2)
@@ -390,7 +390,9 @@ def test_sampler_saved_at_the_end_of_an_epoch_resumes_with_the_next():
     assert state["complete"] and state["consumed"] == 12
     resumed = ResumableSampler(data, 1, 0)
     resumed.load_state_dict(state)
+    assert resumed.epoch == 0 and list(resumed) == []  # the end of epoch 0: its pass yields nothing
     sampler.set_epoch(1)
+    resumed.set_epoch(1)
     assert resumed.epoch == 1 and list(resumed) == list(sampler)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from .core import DEFAULT_READ_BUDGET, Checkpoint, Chunk, LogicalTensor, ObjectEntry, Placement
 from .errors import CheckpointError
+from .extras import require
 from .formats import detect, open_checkpoint
 from .ops.convert import convert
 from .ops.diff import diff
@@ -46,4 +47,6 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'tensormorph' has no attribute {name!r}")
+    if name != "plan":
+        require("torch", "torch", feature=f"tm.{name}")
     return getattr(importlib.import_module(module, __name__), name)

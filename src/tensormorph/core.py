@@ -10,8 +10,10 @@ only the pages it needs.
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Callable, Iterator, Mapping
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,16 +21,19 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import dtypes
-from .errors import BudgetExceededError, CheckpointError, ChunkLayoutError, TensorNotFoundError
+from .errors import BudgetExceededError, CheckpointError, TensorNotFoundError
 from .geometry import byte_runs
 from .storage import MappableStore
+from .tiling import MAX_DIM as MAX_DIM  # re-exported: readers check dimensions against it
+from .tiling import validate_tiling as validate_tiling  # re-exported for the readers that import it from here
 from .units import human_bytes
 
 DEFAULT_READ_BUDGET = 2 * 1024**3
 """Reads that would materialise more bytes than this raise BudgetExceededError."""
 
-MAX_DIM = 2**62
-"""Dimensions at or above this are rejected as corrupt: no real tensor is that large, and numpy cannot index it."""
+SUGGESTION_POOL = 32
+"""Names taken from either side of a mistyped name, in sorted order and in sorted reversed order, for difflib
+to rank: difflib over every name of a 100,000-tensor checkpoint takes seconds, this takes milliseconds."""
 
 
 class ChunkSource(Protocol):
@@ -247,7 +252,11 @@ class LogicalTensor:
         )
 
     def with_budget(self, budget: int) -> LogicalTensor:
-        return replace(self, read_budget=budget)
+        """This tensor with another read budget; sources that materialise a whole chunk (a compressed item)
+        take it too."""
+        chunks = [c if not hasattr(c.source, "with_budget") else replace(c, source=c.source.with_budget(budget))
+                  for c in self.chunks]
+        return replace(self, read_budget=budget, chunks=tuple(chunks))
 
 
 def _flat_start(chunk: Chunk, shape: tuple[int, ...]) -> int | None:
@@ -306,7 +315,13 @@ class Checkpoint(Mapping[str, LogicalTensor]):
         try:
             return self.tensors[name]
         except KeyError:
-            raise TensorNotFoundError("no such tensor in the checkpoint", file=str(self.path), tensor=name) from None
+            near = near_names(name, self.tensors) if isinstance(name, str) else []
+            hint = f"; did you mean {' or '.join(near)}?" if near else ""
+            raise TensorNotFoundError(f"no such tensor in the checkpoint{hint}", file=str(self.path),
+                                      tensor=name) from None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.tensors.get(name, default)  # a miss is an answer here: no suggestions to compute
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
@@ -345,58 +360,26 @@ class Checkpoint(Mapping[str, LogicalTensor]):
         return f"<Checkpoint {self.format} {str(self.path)!r}: {len(self.tensors)} tensors, {human_bytes(self.nbytes)}>"
 
 
-class LayoutOnly:
-    """The source of a chunk made only to have its layout checked (validate_tiling): it holds no data."""
+def near_names(name: str, names: Iterable[str], count: int = 3) -> list[str]:
+    """The names most like a mistyped `name` (difflib's best ratio, at least 0.6, and any tied with it), as git
+    suggests.
 
-    def array(self) -> np.ndarray:
-        raise TypeError("a chunk made only to check a layout holds no data")
-
-
-def validate_tiling(name: str, shape: tuple[int, ...], chunks: list[Chunk], *, file: str | None = None) -> list[Chunk]:
-    """Check that chunks tile `shape` exactly; return them with identical replicas merged.
-
-    Raises ChunkLayoutError naming the tensor for chunks out of bounds, overlapping or leaving gaps.
+    A typo leaves the text before it or after it intact, so the candidates are the names next to `name` in
+    sorted order and next to it in the sorted order of reversed names: SUGGESTION_POOL of each, on either side.
     """
-    if any(not 0 <= n < MAX_DIM for n in shape):
-        raise ChunkLayoutError(f"shape {shape} has a dimension outside [0, 2**62)", file=file, tensor=name)
-    if len(chunks) == 1 and chunks[0].shape == shape and not any(chunks[0].offsets):
-        return chunks  # one chunk holding the whole tensor: the common case, checked cheaply
-    unique: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk] = {}
-    for chunk in chunks:
-        if len(chunk.offsets) != len(shape) or len(chunk.shape) != len(shape):
-            raise ChunkLayoutError(
-                f"chunk at offsets {chunk.offsets} with shape {chunk.shape} has a different rank than the "
-                f"tensor {shape}",
-                file=chunk.file or file, tensor=name)
-        for o, s, n in zip(chunk.offsets, chunk.shape, shape):
-            if o < 0 or s < 0 or o + s > n:
-                raise ChunkLayoutError(
-                    f"chunk at offsets {chunk.offsets} with shape {chunk.shape} lies outside the tensor's "
-                    f"shape {shape}",
-                    file=chunk.file or file, tensor=name)
-        key = (chunk.offsets, chunk.shape)
-        if key in unique:
-            kept = unique[key]
-            unique[key] = replace(kept, ranks=tuple(dict.fromkeys(kept.ranks + chunk.ranks)))
-        else:
-            unique[key] = chunk
-    boxes = [c for c in unique.values() if c.numel > 0]
-    boxes.sort(key=lambda c: c.offsets)
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1:]:
-            if shape and b.offsets[0] >= a.offsets[0] + a.shape[0]:
-                break  # sorted by the first offset: nothing later can overlap a on dim 0
-            if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.shape, b.offsets, b.shape)):
-                raise ChunkLayoutError(
-                    f"chunks at offsets {a.offsets} (shape {a.shape}, {a.file}) and {b.offsets} "
-                    f"(shape {b.shape}, {b.file}) overlap", file=file, tensor=name)
-    covered = sum(c.numel for c in boxes)
-    total = math.prod(shape)
-    if covered != total:
-        raise ChunkLayoutError(
-            f"chunks cover {covered} of {total} elements of shape {shape}: {total - covered} elements are missing "
-            "(a shard file or chunk is absent)", file=file, tensor=name)
-    return list(unique.values())
+    pool = list(names)
+    if len(pool) > 4 * SUGGESTION_POOL:
+        forward = sorted(pool)
+        backward = sorted(n[::-1] for n in pool)
+        pool = _around(name, forward) + [n[::-1] for n in _around(name[::-1], backward)]
+    matches = difflib.get_close_matches(name, list(dict.fromkeys(pool)), n=count, cutoff=0.6)
+    score = [difflib.SequenceMatcher(None, name, match).ratio() for match in matches]
+    return [match for match, s in zip(matches, score) if s == score[0]]  # only the best, or those tied with it
+
+
+def _around(key: str, ordered: list[str]) -> list[str]:
+    at = bisect_left(ordered, key)
+    return ordered[max(0, at - SUGGESTION_POOL):at + SUGGESTION_POOL]
 
 
 @dataclass(frozen=True)

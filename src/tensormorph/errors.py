@@ -86,3 +86,7 @@ class TensorNotFoundError(CheckpointError, KeyError):
 
     def __str__(self) -> str:  # KeyError would otherwise quote the message
         return Exception.__str__(self)
+
+
+class MissingDependencyError(CheckpointError):
+    """A feature needs an optional dependency (an extra) that is not installed."""

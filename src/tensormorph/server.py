@@ -1,9 +1,10 @@
 """The viewer's HTTP server: a thin Starlette app over the library (see docs/viewer-api.md).
 
 Only the checkpoints named at start are served; request parameters select
-tensors and regions, never paths. Heavy work runs in worker threads, with a
-semaphore bounding how many exact tiles are computed at once (memory stays
-bounded under many simultaneous requests).
+tensors and regions, never paths. Heavy work runs in worker threads; the guard
+(server_guard.py) checks Host, Origin and token on every route and bounds how
+many heavy requests run at once, so memory stays bounded under many
+simultaneous requests. Exact tiles are cached (tile_cache.py).
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ import hashlib
 import json
 import math
 import os
-import secrets
+import re
 import threading
-import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,6 @@ from typing import Any
 import numpy as np
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -38,14 +36,16 @@ from .ops.stats import tensor_stats
 from .ops.summary import describe, tensor_record
 from .ops.tiles import MAX_PIXELS, View, histogram, tile
 from .planner import Workload, plan
-from .storage import create_new
+from .planner.model import config_beside
+from .server_guard import Guard, is_loopback
+from .tile_cache import DISK_CACHE_BYTES, TileCache
 
 WEB = Path(__file__).resolve().parent / "web"
 ESTIMATED_READ_RATE = 1e9  # bytes/s, for the cost shown before a full read
 CONFIG_KEYS = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
                "num_key_value_heads", "intermediate_size", "vocab_size", "torch_dtype")
-MEMORY_CACHE_TILES = 512
-EXACT_TILES_AT_ONCE = 4
+# the routes that only look up metadata: every other /api route counts as heavy for the guard
+LIGHT_ROUTES = re.compile(r"/api/(openapi\.json|checkpoints|checkpoints/[^/]+/tensor)")
 
 
 class ApiError(Exception):
@@ -58,16 +58,14 @@ class Viewer:
     """The state behind the API: the opened checkpoints, the diff report and the tile caches."""
 
     def __init__(self, paths: list[Path], *, rename: list[str] | None = None, cache_dir: Path | None = None,
-                 read_budget: int = DEFAULT_READ_BUDGET):
+                 cache_bytes: int = DISK_CACHE_BYTES, read_budget: int = DEFAULT_READ_BUDGET):
         self.checkpoints: dict[str, Checkpoint] = {
             cid: open_checkpoint(p, read_budget=read_budget) for cid, p in zip("ab", paths)}
         self.rename = list(rename or [])
-        self.cache_dir = cache_dir
+        self.tiles = TileCache(cache_dir, disk_bytes=cache_bytes)
         self._diff: dict[tuple[float, float], DiffReport] = {}
-        self._tiles: OrderedDict[str, bytes] = OrderedDict()
         self._summaries: dict[str, bytes] = {}
         self._lock = threading.Lock()
-        self._exact = threading.Semaphore(EXACT_TILES_AT_ONCE)
 
     def checkpoint(self, cid: str) -> Checkpoint:
         if cid not in self.checkpoints:
@@ -94,15 +92,13 @@ class Viewer:
         return cached
 
     def config(self, ck: Checkpoint) -> dict[str, Any] | None:
-        folder = ck.path if ck.path.is_dir() else ck.path.parent
-        candidate = folder / "config.json"
-        if not candidate.is_file() or candidate.stat().st_size > 1_000_000:
-            return None
+        """Facts of the config.json beside the checkpoint; None when there is none or it cannot be read (a link
+        out of the folder, too large, not JSON): the summary stands without it."""
         try:
-            config = json.loads(candidate.read_text())
-        except (OSError, ValueError):
+            config = config_beside(ck.path)
+        except CheckpointError:
             return None
-        return {k: config[k] for k in CONFIG_KEYS if k in config} if isinstance(config, dict) else None
+        return {k: config[k] for k in CONFIG_KEYS if k in config} if config is not None else None
 
     def diff_report(self, atol: float, rtol: float) -> DiffReport:
         if "b" not in self.checkpoints:
@@ -116,29 +112,13 @@ class Viewer:
 
     def cached_tile(self, key_parts: list[Any], sources: list[tuple[Checkpoint, LogicalTensor]],
                     compute: Callable[[], bytes]) -> bytes:
-        """Exact tiles: memory LRU, then the disk cache keyed by the files' identity, then compute."""
+        """Exact tiles: from the cache, keyed by the request and the files' identity, else computed and cached."""
         identity = [key_parts] + [[t.name, [_file_identity(ck, f) for f in t.files]] for ck, t in sources]
         key = hashlib.sha256(json.dumps(identity, default=str).encode()).hexdigest()
-        with self._lock:
-            if key in self._tiles:
-                self._tiles.move_to_end(key)
-                return self._tiles[key]
-        disk = self.cache_dir / key[:2] / key if self.cache_dir else None
-        if disk is not None and disk.is_file():
-            data = disk.read_bytes()
-        else:
-            with self._exact:
-                data = compute()
-            if disk is not None:
-                disk.parent.mkdir(parents=True, exist_ok=True)
-                temporary = disk.with_suffix(f".tmp-{uuid.uuid4().hex}")
-                with create_new(temporary) as f:
-                    f.write(data)
-                os.replace(temporary, disk)
-        with self._lock:
-            self._tiles[key] = data
-            while len(self._tiles) > MEMORY_CACHE_TILES:
-                self._tiles.popitem(last=False)
+        data = self.tiles.get(key)
+        if data is None:
+            data = compute()
+            self.tiles.put(key, data)
         return data
 
     def close(self) -> None:
@@ -391,29 +371,22 @@ OPENAPI: dict[str, Any] = {
 }
 
 
-class _TokenAndErrors(BaseHTTPMiddleware):
-    """The token check for non-loopback hosts, and ApiError/CheckpointError as JSON answers."""
-
-    async def dispatch(self, request: Request, call_next: Callable) -> Response:
-        token = request.app.state.token
-        if token and request.url.path.startswith("/api/"):
-            given = request.query_params.get("token") or request.headers.get("x-tensormorph-token")
-            if not given or not secrets.compare_digest(given, token):
-                return JSONResponse({"error": "missing or wrong token"}, status_code=401)
-        return await call_next(request)
-
-
 def _api_error(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, ApiError):
         return JSONResponse({"error": str(exc), **exc.extra}, status_code=exc.status)
     return JSONResponse({"error": str(exc)}, status_code=400)
 
 
-def create_app(paths: list[str | Path], *, token: str | None = None, rename: list[str] | None = None,
-               cache_dir: Path | None = None, read_budget: int = DEFAULT_READ_BUDGET) -> Starlette:
-    """The viewer app for one or two checkpoints. `token`, when set, is required on every /api request;
-    statistics of a tensor above `read_budget` bytes need confirm=1; exact tiles are cached in `cache_dir`."""
-    viewer = Viewer([Path(p) for p in paths], rename=rename, cache_dir=cache_dir, read_budget=read_budget)
+def create_app(paths: list[str | Path], *, host: str = "127.0.0.1", token: str | None = None,
+               rename: list[str] | None = None, cache_dir: Path | None = None, cache_bytes: int = DISK_CACHE_BYTES,
+               read_budget: int = DEFAULT_READ_BUDGET) -> Starlette:
+    """The viewer app for one or two checkpoints, to serve on `host`. Requests must name the viewer in their Host
+    header (server_guard.py); `token`, required when `host` is not loopback, guards every route; statistics of a
+    tensor above `read_budget` bytes need confirm=1; exact tiles are cached in `cache_dir`, up to `cache_bytes`."""
+    if token is None and not is_loopback(host):
+        raise ValueError(f"a viewer served on {host!r}, beyond this machine, needs a token")
+    viewer = Viewer([Path(p) for p in paths], rename=rename, cache_dir=cache_dir, cache_bytes=cache_bytes,
+                    read_budget=read_budget)
     routes = [
         Route("/api/openapi.json", openapi),
         Route("/api/checkpoints", list_checkpoints),
@@ -432,8 +405,13 @@ def create_app(paths: list[str | Path], *, token: str | None = None, rename: lis
         yield
         viewer.close()
 
-    app = Starlette(routes=routes, middleware=[Middleware(_TokenAndErrors)],
-                    exception_handlers={ApiError: _api_error, CheckpointError: _api_error}, lifespan=lifespan)
+    guard = Middleware(Guard, host=host, token=token, heavy=_heavy)
+    app = Starlette(routes=routes, middleware=[guard], exception_handlers={ApiError: _api_error,
+                                                                           CheckpointError: _api_error},
+                    lifespan=lifespan)
     app.state.viewer = viewer
-    app.state.token = token
     return app
+
+
+def _heavy(path: str) -> bool:
+    return path.startswith("/api/") and LIGHT_ROUTES.fullmatch(path) is None

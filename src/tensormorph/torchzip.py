@@ -4,6 +4,14 @@ The archive is a ZIP_STORED zip: `<prefix>/data.pkl` describes the object
 tree, `<prefix>/data/<key>` hold raw little-endian storage bytes. Tensors
 come back as `TensorRef`s: byte offsets into the buffer the archive was read
 from, so callers can memory-map them instead of copying.
+
+Nothing an archive declares may make reading it cost more than its bytes: a
+storage must fit its record; a tensor view must lie inside its storage; a view
+that holds more bytes than it spans (stride 0 or overlapping strides, as
+`expand` makes) is read only up to MAX_EXPANDED_BYTES per archive (torch.load
+returns such views as they are; tensormorph refuses the rest with
+UnsupportedError, so a file of a few hundred bytes cannot declare gigabytes);
+the byteorder record is tiny; and verifying CRCs reads no byte twice.
 """
 
 from __future__ import annotations
@@ -19,6 +27,10 @@ from . import dtypes, safe_pickle
 from .errors import CheckpointError, ChecksumError, HeaderError, TruncatedFileError, UnsupportedError
 
 MAX_PICKLE_BYTES = 100_000_000
+MAX_EXPANDED_BYTES = 64 * 1024**2
+"""Most logical bytes the expanded views of one archive may hold together: tensors whose strides address fewer
+bytes than they hold (stride 0, overlapping strides). Ordinary state dicts have none beyond size-1 dimensions."""
+MAX_BYTEORDER_BYTES = 64  # the byteorder record holds "little" or "big"; a bigger one would be read whole
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,17 @@ class TensorRef:
         return True
 
     @property
+    def nbytes(self) -> int:
+        """Logical bytes: what reading the whole tensor materialises."""
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+
+    @property
+    def is_expanded(self) -> bool:
+        """Whether the view holds more bytes than it spans in its storage (stride 0 or overlapping strides)."""
+        begin, end = self.byte_span
+        return self.nbytes > end - begin
+
+    @property
     def byte_span(self) -> tuple[int, int]:
         """[begin, end) of the bytes this view can touch in the buffer."""
         itemsize = dtypes.itemsize(self.dtype)
@@ -61,6 +84,25 @@ class TensorRef:
             return self.offset, self.offset
         last = sum((n - 1) * s for n, s in zip(self.shape, self.stride))
         return self.offset, self.offset + (last + 1) * itemsize
+
+
+class ExpansionBudget:
+    """The logical bytes an archive's expanded views hold together; UnsupportedError beyond MAX_EXPANDED_BYTES."""
+
+    def __init__(self, file: str):
+        self.file = file
+        self.total = 0
+
+    def charge(self, ref: TensorRef, tensor: str | None) -> None:
+        if not ref.is_expanded:
+            return
+        self.total += ref.nbytes
+        if self.total > MAX_EXPANDED_BYTES:
+            begin, end = ref.byte_span
+            raise UnsupportedError(
+                f"a tensor of shape {list(ref.shape)} with strides {list(ref.stride)} holds {ref.nbytes} bytes but "
+                f"addresses only {end - begin} of storage {ref.storage.key!r} (an expanded view); expanded views are "
+                f"read up to {MAX_EXPANDED_BYTES} bytes per file", file=self.file, tensor=tensor)
 
 
 class _StorageType:
@@ -148,14 +190,16 @@ def is_torch_zip(head: bytes) -> bool:
 
 
 def load(buffer: memoryview, *, file: str, item: str | None = None,
-         extra_globals: safe_pickle.Globals | None = None) -> Any:
+         extra_globals: safe_pickle.Globals | None = None, check_expansion: bool = True) -> Any:
     """The object tree of a torch.save archive held in `buffer`, tensors as TensorRefs.
 
     `item` names the DCP item the archive belongs to, for error messages. `extra_globals` adds
     format-specific stand-ins (records of a training framework's classes) to the allowlist.
+    `check_expansion=False` leaves bounding expanded views to a caller that charges an ExpansionBudget
+    by tensor name once it has them.
     """
     try:
-        return _load(buffer, file, item, extra_globals or {})
+        return _load(buffer, file, item, extra_globals or {}, ExpansionBudget(file) if check_expansion else None)
     except CheckpointError:
         raise
     except RecursionError:
@@ -165,7 +209,8 @@ def load(buffer: memoryview, *, file: str, item: str | None = None,
                           file=file, tensor=item) from None
 
 
-def _load(buffer: memoryview, file: str, item: str | None, extra_globals: safe_pickle.Globals) -> Any:
+def _load(buffer: memoryview, file: str, item: str | None, extra_globals: safe_pickle.Globals,
+          expansion: ExpansionBudget | None) -> Any:
     if len(buffer) >= 2 and buffer[0] == 0x80 and not is_torch_zip(bytes(buffer[:4])):
         raise UnsupportedError(
             "is a legacy (pre-1.6, non-zip) torch.save file, which this reader does not support; "
@@ -179,7 +224,13 @@ def _load(buffer: memoryview, file: str, item: str | None, extra_globals: safe_p
     if len(pickles) != 1:
         raise HeaderError(f"expected one data.pkl record in the archive, found {len(pickles)}", file=file, tensor=item)
     prefix = pickles[0][: -len("data.pkl")]
+    stray = next((name for name in records if not name.startswith(prefix)), None)
+    if stray is not None:  # torch's reader refuses it too: every record lives in the archive's one folder
+        raise HeaderError(f"record {stray!r} is outside the archive's folder {prefix!r}", file=file, tensor=item)
     order = records.get(prefix + "byteorder")
+    if order is not None and order.file_size > MAX_BYTEORDER_BYTES:
+        raise HeaderError(f"byteorder record is {order.file_size} bytes, over the {MAX_BYTEORDER_BYTES}-byte limit",
+                          file=file, tensor=item)
     if order is not None and archive.read(order).strip() not in (b"little", b""):
         raise UnsupportedError("stores big-endian tensors, which are not supported", file=file, tensor=item)
     info = records[pickles[0]]
@@ -225,6 +276,8 @@ def _load(buffer: memoryview, file: str, item: str | None, extra_globals: safe_p
             raise TruncatedFileError(
                 f"a tensor of size {shape} and stride {steps} at offset {storage_offset} reaches past the end "
                 f"of storage {storage.key!r} ({storage.nbytes} bytes)", file=file, tensor=item)
+        if expansion is not None:
+            expansion.charge(tensor, item)
         return tensor
 
     allowed = {**_tensor_globals(make_tensor), **extra_globals}
@@ -232,9 +285,19 @@ def _load(buffer: memoryview, file: str, item: str | None, extra_globals: safe_p
 
 
 def check_crc(buffer: memoryview, *, file: str, item: str | None = None) -> None:
-    """Raise ChecksumError when a record of the archive does not match the CRC-32 the zip recorded."""
+    """Raise ChecksumError when a record of the archive does not match the CRC-32 the zip recorded.
+
+    The records' declared sizes must add up to at most the archive (plus a compressed data.pkl's limit), so
+    records that overlap, or a compressed one that expands, cannot make the check read far more than the file."""
     try:
-        bad = zipfile.ZipFile(BufferFile(buffer)).testzip()
+        archive = zipfile.ZipFile(BufferFile(buffer))
+        declared = sum(info.file_size for info in archive.infolist())
+        if declared > len(buffer) + MAX_PICKLE_BYTES:
+            raise HeaderError(f"zip records declare {declared} bytes in all, more than the {len(buffer)}-byte archive "
+                              "holds", file=file, tensor=item)
+        bad = archive.testzip()
+    except CheckpointError:
+        raise
     except Exception as exc:  # a damaged directory raises many types
         raise HeaderError(f"not a readable zip archive ({type(exc).__name__}: {exc})", file=file, tensor=item) from None
     if bad is not None:

@@ -1,4 +1,8 @@
-"""The `tensormorph` command: thin over the library (parse, call, print), one module per command family."""
+"""The `tensormorph` command: thin over the library (parse, call, print), one module per command family.
+
+Paths are `CheckpointPath`s, unchecked by click: the library says what is wrong with one as a CheckpointError, one
+line and exit 2 like every other error.
+"""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from ..formats import open_checkpoint
 from ..ops.diff import diff
-from .output import byte_progress, console, fails_cleanly, number, print_json
+from .output import CheckpointPath, byte_progress, console, fails_cleanly, number, print_json
 
 _STATUS_STYLE = {"equal": "[green]equal[/green]", "close": "[green]close[/green]", "different": "[red]different[/red]",
                  "shape_mismatch": "[red]shape_mismatch[/red]", "dtype_mismatch": "[yellow]dtype_mismatch[/yellow]",
@@ -18,8 +18,8 @@ _STATUS_STYLE = {"equal": "[green]equal[/green]", "close": "[green]close[/green]
 
 
 @click.command("diff")
-@click.argument("a", type=click.Path(exists=True))
-@click.argument("b", type=click.Path(exists=True))
+@click.argument("a", type=CheckpointPath())
+@click.argument("b", type=CheckpointPath())
 @click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance.")
 @click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance (times |b|).")
 @click.option("--rename", "renames", multiple=True,

@@ -11,15 +11,15 @@ from rich.markup import escape
 from ..formats import open_checkpoint
 from ..ops.convert import convert
 from ..units import human_bytes
-from .output import byte_progress, console, fails_cleanly, print_json
+from .output import CheckpointPath, byte_progress, console, fails_cleanly, print_json
 
 # commas between placements, not the ones inside a placement's parentheses
 _PLACEMENT_SEPARATOR = re.compile(r",\s*(?![^()]*\))")
 
 
 @click.command("convert")
-@click.argument("source", type=click.Path(exists=True))
-@click.argument("destination", type=click.Path())
+@click.argument("source", type=CheckpointPath())
+@click.argument("destination", type=CheckpointPath())
 @click.option("--to", "target", type=click.Choice(["safetensors", "tensormorph"]), default="safetensors",
               show_default=True, help="safetensors: a Hugging Face folder; tensormorph: re-sharded for a mesh.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest shard file (HF units: GB = 10^9).")

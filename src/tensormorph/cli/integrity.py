@@ -11,11 +11,11 @@ from rich.markup import escape
 from ..ops.repair import repair
 from ..ops.verify import verify
 from ..units import human_bytes
-from .output import byte_progress, console, fails_cleanly, print_json
+from .output import CheckpointPath, byte_progress, console, fails_cleanly, print_json
 
 
 @click.command("verify")
-@click.argument("path", type=click.Path(exists=True))
+@click.argument("path", type=CheckpointPath())
 @click.option("--full", is_flag=True, help="Also read every byte and report NaN/Inf.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @fails_cleanly
@@ -40,7 +40,7 @@ def verify_command(path: str, full: bool, as_json: bool) -> None:
 
 
 @click.command("repair")
-@click.argument("path", type=click.Path(exists=True))
+@click.argument("path", type=CheckpointPath())
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @fails_cleanly
 def repair_command(path: str, as_json: bool) -> None:

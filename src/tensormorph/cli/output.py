@@ -35,6 +35,14 @@ def fails_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+class CheckpointPath(click.Path):
+    """A path argument that click leaves alone: the library says what is wrong with it (missing, a dangling link, a
+    NUL byte) as a one-line CheckpointError. click's own check prints a usage block, or fails on a NUL byte."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return value
+
+
 def print_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=_json_default))
 

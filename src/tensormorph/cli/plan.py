@@ -11,11 +11,11 @@ from rich.table import Table
 
 from ..planner import DeviceUsage, Plan, Workload, plan
 from ..units import human_bytes
-from .output import console, fails_cleanly, print_json
+from .output import CheckpointPath, console, fails_cleanly, print_json
 
 
 @click.command("plan")
-@click.argument("source", type=click.Path(exists=True))
+@click.argument("source", type=CheckpointPath())
 @click.option("--device", "devices", multiple=True, required=True, metavar="SPEC",
               help="NAME=MEMORY,tflops=T,bw=GBPS[,reserve=SIZE][,link=GBPS], in pipeline order; repeat per device.")
 @click.option("--link", type=float, help="GB/s between neighbouring devices  [default: 32]")

@@ -18,11 +18,11 @@ from ..ops.stats import checkpoint_stats
 from ..ops.summary import describe, split_description, totals_by_dtype
 from ..ops.tree import ModuleNode, module_tree
 from ..units import human_bytes
-from .output import byte_progress, console, fails_cleanly, number, print_json
+from .output import CheckpointPath, byte_progress, console, fails_cleanly, number, print_json
 
 
 @click.command()
-@click.argument("path", type=click.Path(exists=True))
+@click.argument("path", type=CheckpointPath())
 @click.option("--format", "format_", help="Force a reader instead of detecting one.")
 @click.option("--chunks", is_flag=True, help="List every chunk: offsets, shape, file, ranks.")
 @click.option("--no-tree", is_flag=True, help="Skip the module tree.")
@@ -101,7 +101,7 @@ def _render_tree(root: ModuleNode, max_depth: int = 6, max_nodes: int = 400) -> 
 
 
 @click.command()
-@click.argument("path", type=click.Path(exists=True))
+@click.argument("path", type=CheckpointPath())
 @click.argument("name")
 @click.option("--slice", "slice_text", default="", help="Region to read, numpy style: '0:4, 100:108'.")
 @click.option("--rank", type=int, help="Show only what this rank holds (its local chunk).")
@@ -127,7 +127,7 @@ def show(path: str, name: str, slice_text: str, rank: int | None, as_json: bool)
 
 
 @click.command()
-@click.argument("path", type=click.Path(exists=True))
+@click.argument("path", type=CheckpointPath())
 @click.argument("names", nargs=-1)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @fails_cleanly

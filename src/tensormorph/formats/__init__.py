@@ -8,6 +8,7 @@ also a folder of safetensors files). Adding a format means adding its module and
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
@@ -82,6 +83,8 @@ def open_checkpoint(path: str | Path, format: str | None = None, *,
     path = Path(path)
     if not path.exists():
         raise MissingFileError("no such file or folder", file=str(path))
+    if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+        raise CheckpointError("cannot be read: permission denied", file=str(path))
     if format is not None:
         if format not in BY_NAME:
             raise UnknownFormatError(f"unknown format {format!r}; known: {', '.join(BY_NAME)}", file=str(path))

@@ -5,6 +5,15 @@ with the allowlist unpickler into stand-in records and convert those into
 chunks, so no torch import and no checkpoint code is needed. Each tensor
 item is a torch.save archive at (offset, length) of a data file, parsed
 lazily on first read so opening stays a metadata-only operation.
+
+Items may not share bytes, and an uncompressed item must be at least as long
+as the chunk it declares, so what a checkpoint declares is bounded by its
+files. A zstd-compressed item ("stream.zstd/1") is decompressed whole, in a
+stream, into a buffer bounded by what it must hold: its chunk's bytes plus
+ZIP_OVERHEAD_ALLOWANCE (MAX_OBJECT_BYTES for an object). A chunk over the read
+budget raises BudgetExceededError before anything is decompressed; a frame
+that decompresses to fewer or more bytes than that is a HeaderError. The size
+a frame header claims is never used.
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -21,8 +30,9 @@ import numpy as np
 import zstandard
 
 from .. import dtypes, safe_pickle, torchzip
-from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray, ObjectEntry, validate_tiling
+from ..core import DEFAULT_READ_BUDGET, Checkpoint, Chunk, LogicalTensor, MappedArray, ObjectEntry
 from ..errors import (
+    BudgetExceededError,
     CheckpointError,
     HeaderError,
     MissingFileError,
@@ -31,6 +41,8 @@ from ..errors import (
     UnsupportedError,
 )
 from ..storage import ByteStore, LocalFiles, MappableStore
+from ..tiling import validate_tiling
+from ..units import human_bytes
 from .contract import Detection
 
 NAME = "dcp"
@@ -41,6 +53,7 @@ DATA_FILE_RANK = re.compile(r"^__(\d+)_\d+\.distcp$")
 MAX_METADATA_BYTES = 1_000_000_000
 ZIP_OVERHEAD_ALLOWANCE = 1 << 20  # a chunk's archive is its data plus a few KiB of zip and pickle
 MAX_OBJECT_BYTES = 1 << 30
+ZSTD_MAX_WINDOW = 1 << 27  # the largest window a frame may demand (decoder memory); zstd's own default limit
 
 _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed._shard.sharded_tensor.metadata")
 _RECORDS = ("Metadata", "MetadataIndex", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
@@ -106,12 +119,16 @@ class DcpItemArray:
     name: str
     dtype: str
     shape: tuple[int, ...]
+    budget: int = DEFAULT_READ_BUDGET  # a compressed item is decompressed whole: its chunk must fit this
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def with_budget(self, budget: int) -> DcpItemArray:
+        return replace(self, budget=budget, _cache={}) if self.item.transforms else self
 
     def array(self) -> np.ndarray:
         if not self.item.transforms:
             return self._mapped().array()
-        buffer = self._bytes()  # decompressed: held in memory only for this read
+        buffer = self.archive()  # decompressed: held in memory only for this read
         ref = self._parse(buffer)
         if math.prod(ref.shape) == 0:
             return np.empty(ref.shape, dtypes.numpy_dtype(ref.dtype))
@@ -129,15 +146,21 @@ class DcpItemArray:
         """The tensor inside an uncompressed item, as an array mapped straight from the data file."""
         mapped = self._cache.get("mapped")
         if mapped is None:
-            ref = self._parse(self._bytes())
+            ref = self._parse(self.archive())
             mapped = MappedArray(self.files, self.item.file, self.item.offset + ref.offset,
                                  dtypes.numpy_dtype(ref.dtype), ref.shape, None if ref.is_contiguous else ref.stride)
             self._cache["mapped"] = mapped
         return mapped
 
-    def _bytes(self) -> memoryview:
-        limit = math.prod(self.shape) * dtypes.itemsize(self.dtype) + ZIP_OVERHEAD_ALLOWANCE
-        return _item_bytes(self.files, self.item, self.name, limit=limit)
+    def archive(self) -> memoryview:
+        """The item's torch.save archive: a view of the mapped data file, or decompressed when transformed."""
+        nbytes = math.prod(self.shape) * dtypes.itemsize(self.dtype)
+        if self.item.transforms and nbytes > self.budget:
+            raise BudgetExceededError(
+                f"decompressing this zstd item materialises {human_bytes(nbytes)}, over the read budget of "
+                f"{human_bytes(self.budget)} (a compressed item is decompressed whole, whatever slice is read)",
+                file=self._path, tensor=self.name)
+        return _item_bytes(self.files, self.item, self.name, size=(nbytes, nbytes + ZIP_OVERHEAD_ALLOWANCE))
 
     def _parse(self, buffer: memoryview) -> torchzip.TensorRef:
         ref = _single_tensor(torchzip.load(buffer, file=self._path, item=self.name), self._path, self.name)
@@ -157,30 +180,52 @@ def _single_tensor(value: Any, file: str, name: str) -> torchzip.TensorRef:
     return value
 
 
-def _item_bytes(files: MappableStore, item: _Item, name: str, *, limit: int) -> memoryview:
-    """The item's archive bytes: a view of the mapped file, or decompressed when transformed."""
+def _item_bytes(files: MappableStore, item: _Item, name: str, *, size: tuple[int, int]) -> memoryview:
+    """The item's archive bytes: a view of the mapped file, or, when transformed, decompressed into a buffer of
+    `size` = (fewest, most) bytes: HeaderError when the item decompresses to fewer or more."""
     raw = files.buffer(item.file)[item.offset:item.offset + item.length]
     if not item.transforms:
         return raw
     path = files.describe(item.file)
-    if list(item.transforms) != ["stream.zstd/1"] and not all(t.startswith("stream.zstd/") for t in item.transforms):
+    if not all(t.startswith("stream.zstd/") for t in item.transforms):
         raise UnsupportedError(f"item uses transforms {list(item.transforms)}; only zstd ('stream.zstd/1') is "
                                "supported", file=path, tensor=name)
+    for position in range(len(item.transforms)):
+        fewest = size[0] if position == len(item.transforms) - 1 else 0  # an inner frame is smaller than the archive
+        raw = _decompress(raw, (fewest, size[1]), path, name)
+    return raw
+
+
+def _decompress(frame: memoryview, size: tuple[int, int], path: str, name: str) -> memoryview:
+    """One zstd frame streamed into a buffer of at most size[1] + 1 bytes (the frame header's size is ignored)."""
+    fewest, most = size
     try:
-        data = bytes(raw)
-        for _ in item.transforms:
-            with zstandard.ZstdDecompressor().stream_reader(data) as reader:
-                data = reader.read(limit + 1)
-            if len(data) > limit:
-                raise HeaderError(f"decompresses to more than the {limit} bytes expected", file=path, tensor=name)
+        out = np.empty(most + 1, np.uint8)  # pages are committed only as the stream writes them
+    except MemoryError:
+        raise BudgetExceededError(f"cannot allocate {human_bytes(most)} to decompress this item", file=path,
+                                  tensor=name) from None
+    target, written = out.data, 0
+    try:
+        with zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).stream_reader(frame, closefd=False) as reader:
+            while written <= most:
+                count = reader.readinto(target[written:])
+                if not count:
+                    break
+                written += count
     except zstandard.ZstdError as exc:
         raise HeaderError(f"zstd-compressed item is corrupt: {exc}", file=path, tensor=name) from None
-    return memoryview(data)
+    if written > most:
+        raise HeaderError(f"zstd item decompresses to more than the {most} bytes its chunk allows", file=path,
+                          tensor=name)
+    if written < fewest:
+        raise HeaderError(f"zstd item decompresses to {written} bytes, fewer than the {fewest} bytes of its chunk",
+                          file=path, tensor=name)
+    return target[:written]
 
 
 def _decode_object(files: MappableStore, item: _Item, name: str) -> Any:
     path = files.describe(item.file)
-    value = torchzip.load(_item_bytes(files, item, name, limit=MAX_OBJECT_BYTES), file=path, item=name)
+    value = torchzip.load(_item_bytes(files, item, name, size=(0, MAX_OBJECT_BYTES)), file=path, item=name)
     if not safe_pickle.is_plain(value):
         raise UnsafePickleError(f"holds a {type(value).__name__}, which is not plain data", file=path, tensor=name)
     return value
@@ -273,9 +318,13 @@ def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointE
     """Check the CRC-32 that every item's zip records for each of its records."""
     files = checkpoint.require_storage()
     names = checkpoint.metadata["metadata_files"]  # the ones open read
-    for (fqn, _offsets), item in _parse(files, names, files.describe(names[0])).storage.items():
+    chunks: dict[tuple[str, tuple[int, ...] | None], Any] = {
+        (t.name, c.offsets): c.source for t in checkpoint.tensors.values() for c in t.chunks}
+    for (fqn, offsets), item in _parse(files, names, files.describe(names[0])).storage.items():
+        source = chunks.get((fqn, offsets))
         try:
-            buffer = _item_bytes(files, item, fqn, limit=MAX_OBJECT_BYTES)
+            buffer = (source.archive() if isinstance(source, DcpItemArray)
+                      else _item_bytes(files, item, fqn, size=(0, MAX_OBJECT_BYTES)))
             torchzip.check_crc(buffer, file=files.describe(item.file), item=fqn)
         except CheckpointError as exc:
             yield fqn, exc
@@ -305,6 +354,7 @@ def open(detection: Detection) -> Checkpoint:
         if item.offset < 0 or item.length < 0 or item.offset + item.length > sizes[item.file]:
             raise TruncatedFileError(f"item [{item.offset}, {item.offset + item.length}) lies past the end of the "
                                      f"{sizes[item.file]}-byte file", file=files.describe(item.file), tensor=key[0])
+    _check_disjoint(storage, files)
 
     tensors: dict[str, LogicalTensor] = {}
     objects: dict[str, ObjectEntry] = {}
@@ -330,6 +380,16 @@ def open(detection: Detection) -> Checkpoint:
     }
     return Checkpoint(path=root, format=NAME, tensors=tensors, objects=objects, metadata=metadata,
                       files=tuple(data_files), storage=files)
+
+
+def _check_disjoint(storage: dict[tuple[str, tuple[int, ...] | None], _Item], files: ByteStore) -> None:
+    """No two items share bytes (dcp.save writes each once), so the tensors declared cannot outgrow the files."""
+    spans = sorted((item.file, item.offset, item.offset + item.length, fqn)
+                   for (fqn, _), item in storage.items() if item.length)
+    for (file, _, end, first), (other, begin, _, second) in zip(spans, spans[1:]):
+        if file == other and begin < end:
+            raise HeaderError(f"its item at byte {begin} overlaps the item of {first!r}, which ends at byte {end}",
+                              file=files.describe(file), tensor=second)
 
 
 def _storage_key(index: Any, where: str) -> tuple[str, tuple[int, ...] | None]:
@@ -363,6 +423,10 @@ def _tensor(fqn: str, entry: Any, storage: dict, files: MappableStore, where: st
         item = storage.get((fqn, offsets))
         if item is None:
             raise HeaderError(f"chunk at offsets {list(offsets)} has no storage entry", file=where, tensor=fqn)
+        nbytes = math.prod(sizes) * dtypes.itemsize(dtype)
+        if not item.transforms and nbytes > item.length:
+            raise TruncatedFileError(f"chunk at offsets {list(offsets)} declares {nbytes} bytes, but its item is only "
+                                     f"{item.length} bytes long", file=files.describe(item.file), tensor=fqn)
         match = DATA_FILE_RANK.match(item.file)
         ranks = (int(match.group(1)),) if match else ()
         source = DcpItemArray(files, item, fqn, dtype, sizes)

@@ -13,9 +13,10 @@ import json
 import re
 from pathlib import Path
 
-from ..core import Checkpoint, Chunk, LogicalTensor, validate_tiling
+from ..core import Checkpoint, Chunk, LogicalTensor
 from ..errors import HeaderError
 from ..storage import LocalFiles, MappableStore
+from ..tiling import validate_tiling
 from . import safetensors as st
 from .contract import Detection, no_checksums
 

@@ -8,21 +8,24 @@ that holds it.
 
 from __future__ import annotations
 
-import json
-from dataclasses import replace
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..core import Checkpoint, LogicalTensor, ObjectEntry
-from ..errors import HeaderError, MissingFileError, TensorNotFoundError
-from ..storage import ByteStore, LocalFiles, MappableStore
+from ..errors import CheckpointError, HeaderError, MissingFileError, TensorNotFoundError
+from ..storage import ByteStore, LocalFiles, MappableStore, read_head
 from . import safetensors as st
 from . import torch_pickle
 from .contract import Detection
 
 NAME = "hf-sharded"
 
-MAX_INDEX_BYTES = 100_000_000
+MAX_INDEX_BYTES = 100_000_000  # an index naming a million tensors takes about 80 MB
+MAX_INDEX_TENSORS = 1_000_000  # tensors one index may name; the largest real checkpoints name about 100,000
+MAX_INDEX_FILES = 100_000  # files one index may name (each is opened and its header read); real ones name < 2,000
+DETECT_BYTES = 1 << 20  # the start of an index searched for "weight_map" when detecting
 PREFERRED_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
@@ -32,7 +35,7 @@ def _index_file(path: Path) -> Path | None:
     if not path.is_dir():
         return None
     for name in PREFERRED_INDEXES:
-        if (path / name).is_file():
+        if os.path.lexists(path / name):  # whatever it is: a link to a device or a folder is refused on open
             return path / name
     others = sorted(path.glob("*.index.json"))
     return others[0] if others else None
@@ -46,23 +49,21 @@ def _unindexed_safetensors(path: Path) -> list[Path]:
 
 
 def detect(path: Path) -> Detection | None:
-    """The index file at `path`, or else the folder's several safetensors files."""
+    """The index file at `path` (by its Hugging Face name, or any *.index.json holding a weight_map), or else the
+    folder's several safetensors files."""
     index = _index_file(path)
     if index is not None:
-        try:
-            with index.open("rb") as f:
-                is_index = b'"weight_map"' in f.read(1 << 20) or _is_index(index)
-        except OSError:
-            return None
-        return Detection(path, index) if is_index else None
+        return Detection(path, index) if index.name in PREFERRED_INDEXES or _is_index(index) else None
     shards = _unindexed_safetensors(path)
     return Detection(path, shards) if shards else None
 
 
 def _is_index(index: Path) -> bool:
-    try:
-        content = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
+    if b'"weight_map"' in read_head(index, DETECT_BYTES):
+        return True
+    try:  # the key may be spelt with escapes, or come after a large "metadata"
+        content = LocalFiles(index.parent).read_json(index.name, MAX_INDEX_BYTES, "index")
+    except CheckpointError:
         return False
     return isinstance(content, dict) and "weight_map" in content
 
@@ -74,15 +75,42 @@ def read_index(files: ByteStore, name: str) -> tuple[dict[str, str], dict[str, A
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise HeaderError("index must be a JSON object with a 'weight_map' object", file=path)
     weight_map = index["weight_map"]
+    if len(weight_map) > MAX_INDEX_TENSORS:
+        raise HeaderError(f"weight_map names {len(weight_map)} tensors, over the limit of {MAX_INDEX_TENSORS}",
+                          file=path)
     for tensor, file in weight_map.items():
         if not isinstance(file, str):
             raise HeaderError(f"weight_map value must be a file name, found {file!r}", file=path, tensor=tensor)
-    for file in set(weight_map.values()):
+    shard_files = dict.fromkeys(weight_map.values())
+    if len(shard_files) > MAX_INDEX_FILES:
+        raise HeaderError(f"weight_map names {len(shard_files)} files, over the limit of {MAX_INDEX_FILES}",
+                          file=path)
+    for file in shard_files:
         files.describe(file, referrer=path)  # refuses a file outside the folder, naming the index
     metadata = index.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise HeaderError("index 'metadata' must be an object", file=path)
     return weight_map, metadata
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """What one shard file holds. A safetensors shard keeps its header: its tensors are made only for the names
+    the index takes from it, so an index taking one tensor each from many links to a large file stays cheap."""
+
+    header: st.Header | None
+    tensors: dict[str, LogicalTensor]  # a torch.save shard's, read whole
+    objects: dict[str, ObjectEntry]
+
+    def holds(self) -> dict[str, Any]:
+        return self.header.entries if self.header is not None else self.tensors
+
+    def tensor(self, files: MappableStore, shard: str, name: str, file_shard: tuple[int, int]) -> LogicalTensor:
+        if self.header is None:
+            return replace(self.tensors[name], file_shard=file_shard)
+        entry = self.header.entries[name]
+        return LogicalTensor(name, entry.dtype, entry.shape, (st.whole_chunk(files, entry, shard),),
+                             file_shard=file_shard)
 
 
 def open(detection: Detection) -> Checkpoint:
@@ -101,37 +129,39 @@ def open(detection: Detection) -> Checkpoint:
         files = LocalFiles(root)
         weight_map, metadata = read_index(files, index.name)
         shard_names = list(dict.fromkeys(weight_map.values()))
-    by_shard: dict[str, set[str]] = {}
+    by_shard: dict[str, list[str]] = {}
     for tensor_name, shard in (weight_map or {}).items():
-        by_shard.setdefault(shard, set()).add(tensor_name)
+        by_shard.setdefault(shard, []).append(tensor_name)
     where = str(index or path)
     tensors: dict[str, LogicalTensor] = {}
     objects: dict[str, ObjectEntry] = {}
     file_metadata: dict[str, dict[str, str]] = {}
     numbers = {name: k for k, name in enumerate(sorted(shard_names), start=1)}  # "shard k of n" follows file names
+    read: dict[tuple[int, int], _Shard] = {}  # by (device, inode): a file behind many names is read once
     for shard in shard_names:
-        number = numbers[shard]
+        file_shard = (numbers[shard], len(shard_names))
         if not files.exists(shard):
             held = sorted(by_shard.get(shard, ()))
             raise MissingFileError(f"shard file is missing; {where} places {len(held)} tensor(s) in it",
                                    file=files.describe(shard), tensor=held[0] if held else None)
-        found, found_objects, extra = _read_shard(files, shard, (number, len(shard_names)))
-        if extra:
-            file_metadata[shard] = extra
-        expected = None if weight_map is None else by_shard[shard]
-        for name, tensor in found.items():
-            if expected is not None and name not in expected:
-                continue  # a tensor the index assigns elsewhere (or omits) is not part of the checkpoint
-            if name in tensors:
-                raise HeaderError(f"tensor appears in both {tensors[name].files[0]!r} and {shard!r}",
-                                  file=where, tensor=name)
-            tensors[name] = tensor
-        objects.update(found_objects)
-        if expected is not None:
-            missing = sorted(expected - found.keys())
-            if missing:
-                raise TensorNotFoundError(f"the index assigns it to {shard!r}, which does not contain it",
-                                          file=files.describe(shard), tensor=missing[0])
+        content = _read_shard(files, shard, read)
+        if content.header is not None and content.header.metadata:
+            file_metadata[shard] = content.header.metadata
+        objects.update(content.objects)
+        if weight_map is None:
+            for name in content.holds():
+                if name in tensors:
+                    raise HeaderError(f"tensor appears in both {tensors[name].files[0]!r} and {shard!r}",
+                                      file=where, tensor=name)
+                tensors[name] = content.tensor(files, shard, name, file_shard)
+            continue
+        held_here = content.holds()
+        missing = sorted(name for name in by_shard[shard] if name not in held_here)
+        if missing:
+            raise TensorNotFoundError(f"the index assigns it to {shard!r}, which does not contain it",
+                                      file=files.describe(shard), tensor=missing[0])
+        for name in by_shard[shard]:  # a tensor the index assigns elsewhere (or omits) is not part of the checkpoint
+            tensors[name] = content.tensor(files, shard, name, file_shard)
     if weight_map is not None:
         tensors = {name: tensors[name] for name in weight_map}  # the index's order
     metadata = {**metadata, "index": index.name if index else None}
@@ -144,14 +174,14 @@ def open(detection: Detection) -> Checkpoint:
 checksum_problems = torch_pickle.checksum_problems  # .bin shards are torch.save zips; safetensors records none
 
 
-def _read_shard(files: MappableStore, shard: str, file_shard: tuple[int, int]
-                ) -> tuple[dict[str, LogicalTensor], dict[str, ObjectEntry], dict]:
-    if shard.endswith(".safetensors") or st.holds_safetensors(files, shard):
-        header = st.read_header(files, shard)
-        tensors = {e.name: LogicalTensor(e.name, e.dtype, e.shape, (st.whole_chunk(files, e, shard),),
-                                         file_shard=file_shard) for e in header.entries.values()}
-        return tensors, {}, header.metadata
-    if torch_pickle.holds_torch_save(files, shard):
-        tensors, objects = torch_pickle.read_file(files, shard)
-        return {n: replace(t, file_shard=file_shard) for n, t in tensors.items()}, objects, {}
-    raise HeaderError("shard is neither a safetensors nor a torch.save file", file=files.describe(shard))
+def _read_shard(files: MappableStore, shard: str, read: dict[tuple[int, int], _Shard]) -> _Shard:
+    status = os.stat(files.describe(shard))
+    key = (status.st_dev, status.st_ino)
+    if key not in read:
+        if shard.endswith(".safetensors") or st.holds_safetensors(files, shard):
+            read[key] = _Shard(st.read_header(files, shard), {}, {})
+        elif torch_pickle.holds_torch_save(files, shard):
+            read[key] = _Shard(None, *torch_pickle.read_file(files, shard))
+        else:
+            raise HeaderError("shard is neither a safetensors nor a torch.save file", file=files.describe(shard))
+    return read[key]

@@ -9,7 +9,6 @@ allowlist unpickler: `args` (an argparse.Namespace) comes back as the dict of it
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
@@ -60,12 +59,11 @@ def detect(path: Path) -> Detection | None:
     """The checkpoint folder, when its metadata.json names a sharded backend."""
     if not path.is_dir() and path.name not in (CONFIG_FILE, COMMON_FILE, dcp.METADATA_FILE):
         return None
-    config = _folder(path) / CONFIG_FILE
-    try:
-        if not config.is_file() or config.stat().st_size > MAX_CONFIG_BYTES:
-            return None
-        content = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
+    if not (_folder(path) / CONFIG_FILE).is_file():
+        return None
+    try:  # confined to the folder and capped, like every file a reader opens
+        content = LocalFiles(_folder(path)).read_json(CONFIG_FILE, MAX_CONFIG_BYTES, CONFIG_FILE)
+    except CheckpointError:
         return None
     return Detection(path, _folder(path)) if isinstance(content, dict) and "sharded_backend" in content else None
 

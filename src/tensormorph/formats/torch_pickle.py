@@ -1,8 +1,20 @@
-"""PyTorch pickle checkpoints (.bin, .pt, .pth in torch.save's zip format), read without torch."""
+"""PyTorch pickle checkpoints (.bin, .pt, .pth in torch.save's zip format), read without torch.
+
+What a file declares is bounded by its size, so reading it costs at most a fixed multiple of its bytes:
+- Expanded views (a tensor whose strides address fewer bytes than it holds: stride 0, as
+  `torch.zeros(1).expand(n)` saves it, or overlapping strides) are read bit-exactly, as torch.load returns
+  them, up to torchzip.MAX_EXPANDED_BYTES (64 MiB) of such tensors per file; beyond that the file is refused
+  with UnsupportedError naming the tensor, its shape and strides. Transposes, slices with steps and size-1
+  dimensions of stride 0 (an `expand((1, -1))` buffer) address as many bytes as they hold: unaffected.
+- Tied weights name one storage several times (T5 names its embedding three times); the tensors of a file
+  may add up to MAX_REUSE_FACTOR times its size, plus MAX_EXPANDED_BYTES, so a pickle cannot name one big
+  storage millions of times.
+"""
 
 from __future__ import annotations
 
 import io
+import os
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,8 +24,8 @@ import numpy as np
 
 from .. import dtypes, torchzip
 from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray, ObjectEntry, in_memory
-from ..errors import CheckpointError, ChecksumError, HeaderError
-from ..storage import LocalFiles, MappableStore
+from ..errors import CheckpointError, ChecksumError, HeaderError, UnsupportedError
+from ..storage import LocalFiles, MappableStore, open_regular
 from .contract import Detection
 
 NAME = "torch"
@@ -21,14 +33,19 @@ NAME = "torch"
 SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 # torch.save's legacy format starts with a pickled magic number (0x1950a86a20f9469cfc6c).
 LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+MAX_REUSE_FACTOR = 64  # the tensors of a file hold at most this many times its bytes (tied weights, shared buffers)
 
 
 def looks_like_torch(path: Path) -> bool:
     try:
-        with path.open("rb") as f:
-            return _is_torch_save(f)
-    except OSError:
+        fd = open_regular(path)  # a FIFO would wait for a writer for ever
+    except (OSError, CheckpointError):
         return False
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return _is_torch_save(f)
+        except OSError:
+            return False
 
 
 def holds_torch_save(files: MappableStore, name: str) -> bool:
@@ -105,11 +122,21 @@ def tensor_chunk(files: MappableStore, file: str, ref: torchzip.TensorRef, *, ba
 
 def read_file(files: MappableStore, file: str) -> tuple[dict[str, LogicalTensor], dict[str, ObjectEntry]]:
     """The tensors and plain objects of one torch.save file, by dotted name."""
-    tree = torchzip.load(files.buffer(file), file=files.describe(file))
+    buffer, path = files.buffer(file), files.describe(file)
+    tree = torchzip.load(buffer, file=path, check_expansion=False)  # checked below, by tensor name
+    expansion = torchzip.ExpansionBudget(path)
+    limit = MAX_REUSE_FACTOR * len(buffer) + torchzip.MAX_EXPANDED_BYTES
+    total = 0
     tensors: dict[str, LogicalTensor] = {}
     objects: dict[str, ObjectEntry] = {}
     for name, leaf in flatten(tree):
         if isinstance(leaf, torchzip.TensorRef):
+            expansion.charge(leaf, name)
+            total += leaf.nbytes
+            if total > limit:
+                raise UnsupportedError(f"the file's tensors hold {total} bytes by this one, over {MAX_REUSE_FACTOR} "
+                                       f"times the file's {len(buffer)} bytes: one storage is named too many times",
+                                       file=path, tensor=name)
             tensors[name] = LogicalTensor(name, leaf.dtype, leaf.shape, (tensor_chunk(files, file, leaf),))
         else:
             objects[name] = ObjectEntry(name, None, file, loader=in_memory(leaf))
@@ -137,7 +164,7 @@ def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointE
 
 def _tensor_on_record(buffer: memoryview, path: str, record: str) -> str | None:
     """The first tensor stored in the damaged record, so the report can name it."""
-    for name, leaf in flatten(torchzip.load(buffer, file=path)):
+    for name, leaf in flatten(torchzip.load(buffer, file=path, check_expansion=False)):
         if isinstance(leaf, torchzip.TensorRef) and record.endswith(f"data/{leaf.storage.key}"):
             return name
     return None

@@ -29,16 +29,17 @@ import numpy as np
 
 from .. import dtypes
 from ..core import Checkpoint, LogicalTensor
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsupportedError
 from ..formats import opened
 from ..geometry import split_box
 from ..safe_pickle import is_plain
-from ..storage import create_new
+from ..storage import create_new, is_url
 from ..tmformat.layout import SHARD_PATTERN, local_box, parse_placement
 from ..tmformat.stream import TensorSpec, write_file
 from ..tmformat.writer import Piece, SaveTransaction
 from ..units import parse_size
 from .diff import DiffReport, aligned_names, diff, parse_rename
+from .stats import check_scannable
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
 DEFAULT_BLOCK_BYTES = 64 * 1024**2
@@ -132,10 +133,9 @@ def convert(source: str | Path | Checkpoint, destination: str | Path, *, to: str
                               f"{list(placements)}")
     with ExitStack() as stack:
         ck = opened(source, stack)
-        destination = Path(destination)
-        if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
-            raise CheckpointError("destination exists and is not an empty folder; choose a new path",
-                                  file=str(destination))
+        for tensor in ck.values():  # refused before anything is written
+            check_scannable(tensor)
+        destination = _checked_destination(destination)
         target = parse_dtype(dtype) if dtype else None
         rules = [parse_rename(r) for r in rename or ()]
         output_names = {original: aligned for aligned, original in aligned_names(list(ck), rules, "a").items()}
@@ -159,6 +159,29 @@ def convert(source: str | Path | Checkpoint, destination: str | Path, *, to: str
         return result
 
 
+def _checked_destination(destination: str | Path) -> Path:
+    """The output folder's path, its parent created: new, or an empty folder (replaced by the finished one); never a
+    link, which a conversion would write through, nor a URL (written here, it would become a local folder 's3:')."""
+    text = os.fspath(destination)
+    if is_url(text):
+        raise UnsupportedError("convert writes a local folder; save to an object store with tm.save", file=text)
+    if "\x00" in text:
+        raise CheckpointError("is not a valid path: it holds a NUL byte", file=repr(text))
+    path = Path(text)
+    if path.is_symlink():
+        raise CheckpointError(f"destination is a symbolic link (to {os.readlink(path)}); convert never writes "
+                              "through a link: choose a new path", file=text)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise CheckpointError("destination exists and is not an empty folder; choose a new path", file=text)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise CheckpointError(f"cannot write it in {path.parent}, which is a file, not a folder", file=text) from None
+    except OSError as exc:  # a file on the way, a read-only file system
+        raise CheckpointError(f"cannot create the folder to write it in: {exc.strerror or exc}", file=text) from None
+    return path
+
+
 def _to_safetensors(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
                     blocks: Callable[[TensorSpec], Iterator[np.ndarray]], max_shard_size: int | str) -> ConvertResult:
     limit = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
@@ -166,7 +189,11 @@ def _to_safetensors(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
     staging = destination.parent / f".{destination.name}.tmp-{uuid.uuid4().hex[:8]}"
-    staging.mkdir(parents=True)
+    try:
+        staging.mkdir()
+    except OSError as exc:  # a folder we may not write in
+        raise CheckpointError(f"cannot create the output folder: {exc.strerror or exc}", file=str(destination)) \
+            from None
     written = 0
     try:
         for name, shard in zip(names, shards):
@@ -176,13 +203,31 @@ def _to_safetensors(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
                      "weight_map": {spec.name: name for name, shard in zip(names, shards) for spec in shard}}
             with create_new(staging / "model.safetensors.index.json") as f:
                 f.write((json.dumps(index, indent=2) + "\n").encode())
-        if destination.exists():
-            destination.rmdir()
-        os.replace(staging, destination)
+        _move_into_place(staging, destination)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return ConvertResult(destination, names, len(specs), written, skipped_objects=list(ck.objects))
+
+
+def _free(destination: Path) -> None:
+    """Remove the empty folder at `destination` (checked by _checked_destination), so the output can take its name.
+    Whatever appeared there since (a link, files in the folder) makes this fail; it is never written through."""
+    try:
+        if destination.is_dir() and not destination.is_symlink():
+            destination.rmdir()
+    except OSError as exc:
+        raise CheckpointError(f"cannot replace the empty folder: {exc.strerror or exc}", file=str(destination)) \
+            from None
+
+
+def _move_into_place(staging: Path, destination: Path) -> None:
+    _free(destination)
+    try:
+        os.replace(staging, destination)
+    except OSError as exc:  # a link or a file appeared at the name since: rename refuses, never follows it
+        raise CheckpointError(f"cannot move the converted folder into place: {exc.strerror or exc}",
+                              file=str(destination)) from None
 
 
 def _fit(placement: str, ndim: int) -> str:
@@ -230,8 +275,7 @@ def _to_tensormorph(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
                                       tuple(range(len(coordinates))), None, fitted))
     save.plan([p for ps in pieces for p in ps])
     objects, skipped = _plain_objects(ck)
-    if destination.exists():
-        destination.rmdir()  # checked empty by the caller
+    _free(destination)
     save.join(save.prepare())
     try:
         results = []

@@ -26,6 +26,7 @@ from ..core import Checkpoint, LogicalTensor
 from ..errors import CheckpointError
 from ..formats import opened
 from ..geometry import split_box
+from .stats import check_scannable
 
 DEFAULT_BLOCK_BYTES = 64 * 1024**2
 
@@ -207,6 +208,8 @@ def compare_tensors(name: str, a: LogicalTensor | None, b: LogicalTensor | None,
     base = _Sides(name_a=a.name, name_b=b.name, dtype_a=a.dtype, dtype_b=b.dtype, shape_a=a.shape, shape_b=b.shape)
     if a.shape != b.shape:
         return TensorDiff(name, "shape_mismatch", **base)
+    check_scannable(a)
+    check_scannable(b)
     cast = cast if cast and dtypes.is_floating(a.dtype) else None  # a dtype conversion leaves integers alone
     if cast:
         base["dtype_a"] = cast  # the dtype actually compared

@@ -9,6 +9,7 @@ the tensors they hold.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterable
@@ -16,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, MissingFileError
 from ..storage import LocalFiles, create_new
 from ..tmformat.checkpoint import read_manifest, root_of
 from ..tmformat.checksums import RunningCrc
@@ -44,6 +45,8 @@ class RepairReport:
 
 def repair(path: str | Path) -> RepairReport:
     """Rebuild every recoverable damaged file of the checkpoint at `path`, then verify it."""
+    if not Path(path).exists():
+        raise MissingFileError("no such file or folder", file=str(path))
     root = root_of(Path(path))
     files = LocalFiles(root)
     manifest = read_manifest(files, str(root))
@@ -89,9 +92,21 @@ def _rewrite(files: LocalFiles, name: str, record: FileRecord, chunks: Iterable[
     # The rebuilt file replaces the name itself: were it a planted link, its target is left alone
     final = files.root / name
     part = final.with_name(f".{final.name}.repair-{uuid.uuid4().hex[:12]}")
-    size, value = write_checked(part, chunks)
+    try:
+        size, value = write_checked(part, chunks)
+    except OSError as exc:  # a read-only folder, a full disk: this file stays unrepaired, the others go on
+        if not isinstance(exc, FileExistsError):  # else the name was not ours: create_new refused it
+            with contextlib.suppress(OSError):
+                part.unlink()  # what a full disk left half written
+        raise CheckpointError(f"cannot write the rebuilt file {part.name}: {exc.strerror or exc}",
+                              file=str(final)) from None
     if (size, value) != (record.size, record.crc32c):
         part.unlink()
         raise CheckpointError(f"rebuilt {size} bytes with CRC-32C {value:08x}, the manifest records {record.size} "
                               f"bytes with {record.crc32c:08x}: a file it was rebuilt from is damaged too")
-    os.replace(part, final)
+    try:
+        os.replace(part, final)
+    except OSError as exc:  # the damaged name is a folder, or the folder is read-only
+        part.unlink()
+        raise CheckpointError(f"cannot replace it with the rebuilt file: {exc.strerror or exc}",
+                              file=str(final)) from None

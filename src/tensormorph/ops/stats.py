@@ -10,9 +10,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..core import Chunk, LogicalTensor, MappedArray
+from ..errors import BudgetExceededError
 from ..geometry import split_box
 
 DEFAULT_BLOCK_BYTES = 64 * 1024**2
+# The most bytes one tensor may declare for a scan (stats, verify --full, convert) to start: 1 PiB, far beyond any
+# real tensor and far below the 2^63 bytes where numpy's sizes overflow; only a forged shape declares more.
+MAX_SCAN_BYTES = 1 << 50
 
 
 @dataclass(frozen=True)
@@ -121,9 +125,21 @@ def chunk_blocks(tensor: LogicalTensor, chunk: Chunk, block_elements: int) -> It
         yield tensor.read(piece, budget=max(1, block_elements * tensor.numpy_dtype.itemsize * 2)).reshape(-1)
 
 
+def check_scannable(tensor: LogicalTensor) -> None:
+    """BudgetExceededError naming the tensor when its declared size is beyond what any scan can read."""
+    nbytes = tensor.nbytes
+    if nbytes > MAX_SCAN_BYTES:
+        size = f"{nbytes:.3g}" if nbytes.bit_length() < 1000 else f"about 1e{len(str(nbytes)) - 1}"  # float's range
+        raise BudgetExceededError(
+            f"declares shape {list(tensor.shape)} of {tensor.dtype}, {size} bytes: too large to scan "
+            f"(the limit is {MAX_SCAN_BYTES:,} bytes)", file=tensor.files[0] if tensor.files else None,
+            tensor=tensor.name)
+
+
 def tensor_stats(tensor: LogicalTensor, *, block_bytes: int = DEFAULT_BLOCK_BYTES,
                  progress: Callable[[int], None] | None = None) -> TensorStats:
     """Statistics of one logical tensor, streamed chunk by chunk in blocks of about `block_bytes`."""
+    check_scannable(tensor)
     accumulator = _Accumulator()
     block_elements = max(1, block_bytes // 8)  # blocks are upcast to float64
     itemsize = tensor.numpy_dtype.itemsize
@@ -141,5 +157,7 @@ def checkpoint_stats(tensors: Iterable[LogicalTensor], *, threads: int = 2, bloc
                      progress: Callable[[int], None] | None = None) -> list[TensorStats]:
     """Statistics of many tensors, in order, computed in parallel threads (numpy releases the GIL)."""
     items = list(tensors)
+    for tensor in items:  # refused before any is read, not after hours of reading the others
+        check_scannable(tensor)
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         return list(pool.map(lambda t: tensor_stats(t, block_bytes=block_bytes, progress=progress), items))

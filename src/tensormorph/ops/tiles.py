@@ -6,6 +6,8 @@ approximate tile samples the first element of each block (a strided read,
 fast whatever the tensor's size); an exact tile aggregates every element of
 each block (mean, min, max, abs-max), streaming the region in bands of
 bounded size. The encoding is compact binary: the page colours it itself.
+Memory per tile is a few bytes per pixel (float32 fields, one copy to encode),
+so MAX_PIXELS bounds what one request may take.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ..errors import CheckpointError
 from .stats import chunk_blocks
 
 DEFAULT_BAND_BYTES = 32 * 1024**2
-MAX_PIXELS = 4096 * 4096
+MAX_PIXELS = 4096 * 4096  # pixels of one tile: a full-screen canvas at twice the density, with room to spare
 AGGREGATES = ("mean", "min", "max", "absmax")
 
 
@@ -99,22 +101,30 @@ class Tile:
 
     def header(self) -> dict[str, Any]:
         # the range of the data itself: the value, or the block minima and maxima (not abs-max or mean)
-        ranged = [v for key, v in self.fields.items() if key in ("value", "min", "max")]
-        finite = [v[np.isfinite(v)] for v in ranged]
-        finite = [v for v in finite if v.size]
+        ranges = [r for key, v in self.fields.items() if key in ("value", "min", "max") and (r := _finite_range(v))]
         return {
             "name": self.name, "view_shape": list(self.view_shape), "rows": list(self.rows), "cols": list(self.cols),
             "step": list(self.step), "shape": list(self.shape), "approximate": self.approximate,
             "fields": list(self.fields), "nan": self.nan, "inf": self.inf,
-            "min": float(min(v.min() for v in finite)) if finite else None,
-            "max": float(max(v.max() for v in finite)) if finite else None,
+            "min": min(low for low, _ in ranges) if ranges else None,
+            "max": max(high for _, high in ranges) if ranges else None,
         }
 
     def encode(self) -> bytes:
         """u32 LE header length, JSON header, then each field as float32 LE, row-major."""
         head = json.dumps(self.header()).encode()
-        body = b"".join(np.ascontiguousarray(v, dtype="<f4").tobytes() for v in self.fields.values())
-        return struct.pack("<I", len(head)) + head + body
+        # bytes.join takes any buffer: each field is copied once, straight into the answer
+        fields = [np.ascontiguousarray(v, dtype="<f4").data for v in self.fields.values()]
+        return b"".join([struct.pack("<I", len(head)), head, *fields])
+
+
+def _finite_range(values: np.ndarray) -> tuple[float, float] | None:
+    """(min, max) of the finite values, without copying them; None when there is none."""
+    finite = np.isfinite(values)
+    if not finite.any():
+        return None
+    return (float(np.min(values, where=finite, initial=np.inf)),
+            float(np.max(values, where=finite, initial=-np.inf)))
 
 
 def steps(r0: int, r1: int, c0: int, c1: int, h: int, w: int) -> tuple[int, int]:
@@ -138,9 +148,9 @@ def tile(view: View, r0: int, r1: int, c0: int, c1: int, h: int, w: int, *, exac
     sy, sx = steps(r0, r1, c0, c1, h, w)
     result = Tile(name, (H, W), (r0, r1), (c0, c1), (sy, sx), approximate=not exact and (sy, sx) != (1, 1))
     if (sy, sx) == (1, 1) or not exact:
-        values = _as_float(read(slice(r0, r1, sy), slice(c0, c1, sx)))
-        result.fields["value"] = values.astype(np.float32)
+        values = _as_working(read(slice(r0, r1, sy), slice(c0, c1, sx)))
         result.nan, result.inf = _nonfinite(values)
+        result.fields["value"] = values.astype(np.float32, copy=False)
         return result
     _aggregate(result, read, band_bytes)
     return result
@@ -148,14 +158,11 @@ def tile(view: View, r0: int, r1: int, c0: int, c1: int, h: int, w: int, *, exac
 
 @np.errstate(invalid="ignore", divide="ignore")  # +inf and -inf in one block sum to NaN, as they should
 def _aggregate(result: Tile, read: Callable[[slice, slice], np.ndarray], band_bytes: int) -> None:
-    """Exact block aggregates, reading bands of whole block rows and block columns under band_bytes."""
+    """Exact block aggregates, reading bands of whole block rows and block columns under band_bytes. Only the
+    float32 fields span the whole tile: sums and counts live as long as one band."""
     (r0, r1), (c0, c1), (sy, sx) = result.rows, result.cols, result.step
     out_rows, out_cols = math.ceil((r1 - r0) / sy), math.ceil((c1 - c0) / sx)
-    sums = np.zeros((out_rows, out_cols), np.float64)
-    counts = np.zeros((out_rows, out_cols), np.int64)
-    low = np.full((out_rows, out_cols), np.nan, np.float64)
-    high = np.full((out_rows, out_cols), np.nan, np.float64)
-    peak = np.full((out_rows, out_cols), np.nan, np.float64)
+    mean, low, high, peak = (np.empty((out_rows, out_cols), np.float32) for _ in AGGREGATES)
     elements = max(1, band_bytes // 8)
     block_cols = max(1, min(out_cols, elements // (sy * sx)))
     block_rows = max(1, elements // (block_cols * sy * sx))
@@ -170,17 +177,16 @@ def _aggregate(result: Tile, read: Callable[[slice, slice], np.ndarray], band_by
             target = (slice(i, i + math.ceil(band.shape[0] / sy)), slice(j, j + math.ceil(band.shape[1] / sx)))
             if nan:
                 valid = ~np.isnan(band)
-                sums[target] = _blocks(np.add, np.where(valid, band, 0), sy, sx)
-                counts[target] = _blocks(np.add, valid.astype(np.int64), sy, sx)
+                sums = _blocks(np.add, np.where(valid, band, 0), sy, sx)
+                counts = _blocks(np.add, valid.astype(np.int64), sy, sx)
             else:
-                sums[target] = _blocks(np.add, band, sy, sx)
-                counts[target] = _block_sizes(band.shape, sy, sx)
+                sums = _blocks(np.add, band, sy, sx)
+                counts = _block_sizes(band.shape, sy, sx)
+            mean[target] = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
             low[target] = _blocks(np.fmin, band, sy, sx)
             high[target] = _blocks(np.fmax, band, sy, sx)
             peak[target] = _blocks(np.fmax, np.abs(band), sy, sx)
-    mean = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
-    for key, values in zip(AGGREGATES, (mean, low, high, peak)):
-        result.fields[key] = values.astype(np.float32)
+    result.fields.update(zip(AGGREGATES, (mean, low, high, peak)))
 
 
 def _blocks(op: np.ufunc, values: np.ndarray, sy: int, sx: int) -> np.ndarray:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, UnsafePickleError
+from ..errors import CheckpointError, MissingFileError, UnsafePickleError
 from ..formats import open_checkpoint, reader_of
 from .stats import tensor_stats
 
@@ -52,7 +52,10 @@ def _problem(exc: CheckpointError) -> Problem:
 
 
 def verify(path: str | Path, *, full: bool = False, progress: Callable[[int], None] | None = None) -> VerifyReport:
-    """Verify the checkpoint at `path`; problems are collected, not raised."""
+    """Verify the checkpoint at `path`; problems are collected, not raised (MissingFileError when there is no
+    file or folder at `path`: nothing was verified)."""
+    if not Path(path).exists():  # nothing to verify: the command could not run (the CLI's exit 2), not damage
+        raise MissingFileError("no such file or folder", file=str(path))
     report = VerifyReport(str(path), full=full)
     try:
         ck = open_checkpoint(path)
@@ -61,10 +64,13 @@ def verify(path: str | Path, *, full: bool = False, progress: Callable[[int], No
         return report
     with ck:
         report.format, report.tensors, report.files = ck.format, len(ck), len(ck.files)
-        for _item, problem in reader_of(ck).checksum_problems(ck):
-            report.checksums_checked += 1
-            if problem is not None:
-                report.problems.append(_problem(problem))
+        try:
+            for _item, problem in reader_of(ck).checksum_problems(ck):
+                report.checksums_checked += 1
+                if problem is not None:
+                    report.problems.append(_problem(problem))
+        except CheckpointError as exc:  # a file the checks cannot read at all (gone, a folder): damage found
+            report.problems.append(_problem(exc))
         if not full:
             return report
         for tensor in ck.values():

@@ -31,7 +31,7 @@ def load_model(source: Any, dtype: str | None = None) -> ModelSpec:
     """A ModelSpec from a checkpoint path, an open Checkpoint, a folder or file holding only config.json,
     a config dict, or a transformers config object. `dtype` overrides the floating-point weights' dtype."""
     if isinstance(source, Checkpoint):
-        return _from_checkpoint(source, _config_beside(source.path), dtype, _display_name(source.path))
+        return _from_checkpoint(source, config_beside(source.path), dtype, _display_name(source.path))
     if isinstance(source, Mapping) or hasattr(source, "to_dict"):
         config = dict(source) if isinstance(source, Mapping) else source.to_dict()
         return _from_config(config, dtype, name=None, path=None)
@@ -41,7 +41,7 @@ def load_model(source: Any, dtype: str | None = None) -> ModelSpec:
     if path.is_dir() and detect(path) is None and (path / "config.json").is_file():
         return _from_config(_read_config(path / "config.json"), dtype, name=path.name, path=path)
     with open_checkpoint(path) as ck:
-        return _from_checkpoint(ck, _config_beside(path), dtype, _display_name(path))
+        return _from_checkpoint(ck, config_beside(path), dtype, _display_name(path))
 
 
 def _display_name(path: Path) -> str:
@@ -50,7 +50,7 @@ def _display_name(path: Path) -> str:
     return path.parent.name if path.is_file() and (path.parent / "config.json").is_file() else path.name
 
 
-MAX_CONFIG_BYTES = 16 * 1024**2
+MAX_CONFIG_BYTES = 16 * 1024**2  # a model's config.json is a few KB: the most that reading one may take
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -58,12 +58,16 @@ def _read_config(path: Path) -> dict[str, Any]:
         config = LocalFiles(path.parent).read_json(path.name, MAX_CONFIG_BYTES, "config.json")
     except CheckpointError as exc:
         raise PlanError(f"cannot read the model config: {exc.reason}", file=str(path)) from None
+    except OSError as exc:  # unreadable: a directory, no permission
+        raise PlanError(f"cannot read the model config: {exc.strerror}", file=str(path)) from None
     if not isinstance(config, dict):
         raise PlanError("config.json does not hold a JSON object", file=str(path))
     return config
 
 
-def _config_beside(path: Path) -> dict[str, Any] | None:
+def config_beside(path: Path) -> dict[str, Any] | None:
+    """The config.json in a checkpoint's folder (beside it, for a file), or None when there is none. Read like
+    every file of the folder: PlanError when it is a link out of the folder, over MAX_CONFIG_BYTES or not JSON."""
     folder = path if path.is_dir() else path.parent
     candidate = folder / "config.json"
     return _read_config(candidate) if candidate.is_file() else None

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core import Checkpoint
+from ..extras import require
 from ..formats import opened
 from .spec import STORED_DTYPES, PlanError, accelerate_device
 
@@ -45,6 +46,7 @@ def load_plan(plan: Plan, checkpoint: str | Path | Checkpoint, model: Any = None
               devices: Mapping[str, int | str] | None = None) -> Any:
     """See `Plan.load`: each tensor is read, cast when the plan set a dtype, and moved to its device alone,
     so host memory holds one tensor at a time."""
+    require("torch", "torch", feature="Plan.load")
     from ..torch_arrays import to_torch, torch_dtype  # import torch: only loading a plan needs them
 
     if plan.device_map is None:

@@ -11,11 +11,20 @@ import builtins  # `list` names a method of the stores: their annotations say bu
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from .local import NEW_FILE_FLAGS, LocalFiles, create_new
+from .local import (
+    MAX_JSON_VALUES,
+    NEW_FILE_FLAGS,
+    LocalFiles,
+    create_new,
+    open_regular,
+    parse_json,
+    read_capped,
+    read_head,
+)
 from .remote import RemoteFiles, is_url, local_path
 
-__all__ = ["NEW_FILE_FLAGS", "ByteStore", "LocalFiles", "MappableStore", "RemoteFiles", "create_new", "is_url",
-           "local_path"]
+__all__ = ["MAX_JSON_VALUES", "NEW_FILE_FLAGS", "ByteStore", "LocalFiles", "MappableStore", "RemoteFiles",
+           "create_new", "is_url", "local_path", "open_regular", "parse_json", "read_capped", "read_head"]
 
 Run = tuple[int, int]  # [begin, end) byte offsets in one file
 
@@ -55,7 +64,9 @@ class ByteStore(Protocol):
         ...
 
     def read_json(self, name: str, max_bytes: int, what: str = "file") -> Any:
-        """A small JSON file, size-capped and parsed; HeaderError when it is too large or not JSON."""
+        """A small JSON file, size-capped (never more than `max_bytes` + 1 bytes read) and parsed with its values
+        bounded (parse_json); HeaderError when it is too large or not JSON, MissingFileError when it is missing
+        or not a regular file."""
         ...
 
     def read_into(self, name: str, offset: int, target: memoryview) -> None:

@@ -11,16 +11,27 @@ import contextlib
 import json
 import mmap
 import os
+import stat
 import threading
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
-from ..errors import HeaderError, MissingFileError, TruncatedFileError, UnsafePathError
+from ..errors import CheckpointError, HeaderError, MissingFileError, TruncatedFileError, UnsafePathError
 
 _EMPTY = memoryview(b"")
 ADVICE_PIECE = 8 * 1024**2
 READ_PIECE = 64 * 1024**2
+
+MAX_JSON_VALUES = 4_000_000
+"""Most JSON values a small JSON file (an index, a config, a safetensors header) may hold, counted before it is
+parsed by the characters that open them (`,[{:`, strings included: an upper bound). Parsed, a value costs Python
+up to about 100 bytes whatever the bytes that spell it (`[[],[],...]` takes 3 bytes a value), so this, not the
+file's size, bounds what a parse builds: about 400 MB at the limit. A tensor of a safetensors header takes about
+12, an entry of an index's weight_map 2."""
+_JSON_STRUCTURE = b",[{:"  # a value is the first in its container or follows a comma; each key precedes a colon
+_FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
 # Every file we create inside a folder a user gave us (a save, a repair, a conversion, a cache) is a new file:
@@ -31,6 +42,68 @@ NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
 def create_new(path: Path) -> BinaryIO:
     """A new file at `path`, open for writing (see NEW_FILE_FLAGS)."""
     return os.fdopen(os.open(path, NEW_FILE_FLAGS, 0o644), "wb")
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of the regular file at `path`. Anything else is refused, naming it: opening a FIFO
+    would wait for a writer (O_NONBLOCK opens it at once, to be refused), a device such as /dev/zero reads
+    without end, and a folder has no bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise MissingFileError("file is missing", file=str(path)) from None
+    except OSError as exc:  # permission denied, a name too long, a loop of links ...
+        raise CheckpointError(f"cannot be read: {exc.strerror or exc}", file=str(path)) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a file")
+        raise MissingFileError(f"is {kind}, not a regular file", file=str(path))
+    return fd
+
+
+def read_capped(fd: int, cap: int) -> bytes | None:
+    """An open file's bytes from its start, or None when it holds more than `cap`. It never reads more than
+    cap + 1 bytes, whatever size the file reports: the size is only a hint (a file may grow while it is read)."""
+    hint = os.fstat(fd).st_size
+    if hint > cap:
+        return None
+    pieces, total = [], 0
+    while total <= cap:
+        piece = os.pread(fd, min(cap + 1 - total, max(hint + 1 - total, 1 << 16), READ_PIECE), total)
+        if not piece:
+            break
+        pieces.append(piece)
+        total += len(piece)
+    return None if total > cap else b"".join(pieces)
+
+
+def parse_json(raw: bytes, what: str, where: str, **options: Any) -> Any:
+    """`raw` parsed as UTF-8 JSON (json.loads `options`: hooks), after bounding what the parse builds by counting
+    its values (see MAX_JSON_VALUES); problems are HeaderErrors naming `where`."""
+    values = sum(raw.count(c) for c in _JSON_STRUCTURE) + 1
+    if values > MAX_JSON_VALUES:
+        raise HeaderError(f"{what} holds about {values} JSON values, over the limit of {MAX_JSON_VALUES}",
+                          file=where)
+    try:
+        return json.loads(raw.decode("utf-8"), **options)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: e.g. a 5000-digit integer
+        raise HeaderError(f"{what} is not valid UTF-8 JSON: {exc}", file=where) from None
+
+
+def read_head(path: Path, length: int) -> bytes:
+    """Up to `length` bytes from the start of the regular file at `path`, for detection by content: b"" when
+    there is no regular file there or it cannot be read, so a FIFO, a device or a folder is not recognised."""
+    try:
+        fd = open_regular(path)
+    except (OSError, MissingFileError):
+        return b""
+    try:
+        return os.pread(fd, length, 0)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
 
 
 def pread_into(fd: int, offset: int, target: memoryview, where: str) -> None:
@@ -60,18 +133,34 @@ class LocalFiles:
         known = self._resolved.get(text)
         if known is not None:
             return known
-        pure = PurePosixPath(text.replace("\\", "/"))
+        # a plain file name (the usual case, thousands of them in an index) needs no path parsing
+        parts = (text,) if "/" not in text and "\\" not in text else PurePosixPath(text.replace("\\", "/")).parts
         who = referrer or str(self.root)
-        if not text or "\x00" in text or pure.is_absolute() or ".." in pure.parts or text.startswith("~"):
+        if not text or "\x00" in text or text[0] in "/\\~" or ".." in parts:
             raise UnsafePathError(f"names file {text!r}, which is outside the checkpoint folder", file=who)
-        candidate = self.root.joinpath(*pure.parts)
-        real = candidate.resolve()
-        if real != self.root and self.root not in real.parents:
+        real = self._real(parts)
+        root = str(self.root)
+        if real != root and not real.startswith(root.rstrip("/") + "/"):
             raise UnsafePathError(
                 f"names file {text!r}, a link that resolves outside the checkpoint folder to {real}", file=who
             )
-        self._resolved[text] = real
-        return real
+        self._resolved[text] = Path(real)
+        return self._resolved[text]
+
+    def _real(self, parts: tuple[str, ...]) -> str:
+        """os.path.realpath of root/parts, but lstat-ing only the components below the root (which is resolved
+        already): an index naming thousands of files costs one lstat a component of each, not one for every
+        component of the root's own path as well."""
+        path = str(self.root)
+        for k, part in enumerate(parts):
+            path = os.path.join(path, part)
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError:
+                return os.path.join(path, *parts[k + 1:])  # absent: nothing below it can be a link either
+            if stat.S_ISLNK(mode):
+                return os.path.realpath(os.path.join(path, *parts[k + 1:]))
+        return path
 
     def describe(self, name: str, *, referrer: str | None = None) -> str:
         return str(self.resolve(name, referrer=referrer))
@@ -109,38 +198,34 @@ class LocalFiles:
     def read(self, name: str, offset: int, length: int) -> bytes:
         """Read exactly `length` bytes (headers, indexes): counted in header_bytes_read."""
         path = self.resolve(name)
-        try:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read(length)
-        except FileNotFoundError:
-            raise MissingFileError("file is missing", file=str(path)) from None
+        with os.fdopen(open_regular(path), "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
         return self._counted(data, length, offset, path)
 
     def read_prefixed(self, name: str, max_length: int) -> tuple[int, int, bytes]:
         """(file size, length, the `length` bytes after an 8-byte little-endian length) in one open."""
         path = self.resolve(name)
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                prefix = self._counted(f.read(8), 8, 0, path) if size >= 8 else b""
-                length = int.from_bytes(prefix, "little") if prefix else -1
-                if prefix and length <= min(max_length, size - 8):
-                    return size, length, self._counted(f.read(length), length, 8, path)
-                return size, length, b""
-        except FileNotFoundError:
-            raise MissingFileError("file is missing", file=str(path)) from None
+        with os.fdopen(open_regular(path), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = self._counted(f.read(8), 8, 0, path) if size >= 8 else b""
+            length = int.from_bytes(prefix, "little") if prefix else -1
+            if prefix and length <= min(max_length, size - 8):
+                return size, length, self._counted(f.read(length), length, 8, path)
+            return size, length, b""
 
     def read_json(self, name: str, max_bytes: int, what: str = "file") -> Any:
         """A small JSON file (an index, a config), size-capped and parsed; problems are HeaderErrors."""
-        path = str(self.resolve(name))
-        size = self.size(name)
-        if size > max_bytes:
-            raise HeaderError(f"{what} is {size} bytes, over the {max_bytes}-byte limit", file=path)
+        path = self.resolve(name)
+        fd = open_regular(path)
         try:
-            return json.loads(self.read(name, 0, size).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise HeaderError(f"{what} is not valid UTF-8 JSON: {exc}", file=path) from None
+            raw = read_capped(fd, max_bytes)
+        finally:
+            os.close(fd)
+        if raw is None:
+            raise HeaderError(f"{what} is over the {max_bytes}-byte limit", file=str(path))
+        self.header_bytes_read += len(raw)
+        return parse_json(raw, what, str(path))
 
     def read_into(self, name: str, offset: int, target: memoryview) -> None:
         """Fill `target` with the file's bytes from `offset` (pread in large pieces, no page mapping)."""
@@ -169,11 +254,7 @@ class LocalFiles:
             os.close(fd)
 
     def _open(self, name: str) -> int:
-        path = self.resolve(name)
-        try:
-            return os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise MissingFileError("file is missing", file=str(path)) from None
+        return open_regular(self.resolve(name))
 
     def _counted(self, data: bytes, length: int, offset: int, path: Path) -> bytes:
         if len(data) != length:
@@ -188,17 +269,17 @@ class LocalFiles:
         path = self.resolve(name)
         with self._lock:
             if path not in self._maps:
+                fd = open_regular(path)
                 try:
-                    with open(path, "rb") as f:
-                        size = os.fstat(f.fileno()).st_size
-                        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-                        if mapped is not None:
-                            # no readahead around each fault: region reads then touch only what they need,
-                            # and reads say what they need through advise()
-                            mapped.madvise(mmap.MADV_RANDOM)
-                        self._maps[path] = mapped
-                except FileNotFoundError:
-                    raise MissingFileError("file is missing", file=str(path)) from None
+                    size = os.fstat(fd).st_size
+                    mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None
+                    if mapped is not None:
+                        # no readahead around each fault: region reads then touch only what they need,
+                        # and reads say what they need through advise()
+                        mapped.madvise(mmap.MADV_RANDOM)
+                    self._maps[path] = mapped
+                finally:
+                    os.close(fd)
             mapped = self._maps[path]
         return memoryview(mapped) if mapped is not None else _EMPTY
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import builtins  # `list` names a method of the stores: their annotations say builtins.list
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ..errors import HeaderError, MissingFileError, TruncatedFileError, UnsafePathError
+from ..extras import require_for_url
+from .local import parse_json
 
 REMOTE_GAP = 4096  # runs closer than this are fetched in one request: a request costs more than the gap
 
@@ -27,8 +28,8 @@ class RemoteFiles:
     """Read-only files under an fsspec prefix, read in coalesced, concurrent ranged requests."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
-        import fsspec  # an optional dependency (the `s3` extra): only remote checkpoints need it
-
+        # an optional dependency (the `s3` extra): only remote checkpoints need it
+        fsspec = require_for_url(url, feature=f"reading {url}")
         self.url = url.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         self.header_bytes_read = 0
@@ -83,10 +84,7 @@ class RemoteFiles:
         size = self.size(name)
         if size > max_bytes:
             raise HeaderError(f"{what} is {size} bytes, over the {max_bytes}-byte limit", file=self.describe(name))
-        try:
-            return json.loads(self.read(name, 0, size).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise HeaderError(f"{what} is not valid UTF-8 JSON: {exc}", file=self.describe(name)) from None
+        return parse_json(self.read(name, 0, size), what, self.describe(name))
 
     def read_into(self, name: str, offset: int, target: memoryview) -> None:
         target[:] = self.read_ranges(name, [(offset, offset + len(target))])[0]

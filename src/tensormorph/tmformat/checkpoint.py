@@ -24,11 +24,11 @@ from ..core import (
     ObjectEntry,
     Placement,
     in_memory,
-    validate_tiling,
 )
 from ..errors import CheckpointError, ChecksumError, HeaderError, MissingFileError, UncommittedCheckpointError
 from ..geometry import byte_runs
-from ..storage import ByteStore, LocalFiles, MappableStore
+from ..storage import ByteStore, LocalFiles, MappableStore, read_head
+from ..tiling import validate_tiling
 from .checksums import verify_blocks
 from .integrity import file_problem, size_problem
 from .manifest import FORMAT, MANIFEST, MAX_MANIFEST_BYTES, SAVE_MARKER, Manifest, TensorRecord, parse
@@ -47,12 +47,7 @@ def is_checkpoint_folder(path: Path) -> bool:
         return False
     if (root / SAVE_MARKER).is_file() and not (root / MANIFEST).exists():
         return True
-    try:
-        with (root / MANIFEST).open("rb") as f:
-            head = f.read(256)
-    except OSError:
-        return False
-    return b'"format":"tensormorph"' in head
+    return b'"format":"tensormorph"' in read_head(root / MANIFEST, 256)
 
 
 def read_manifest(files: ByteStore, where: str) -> Manifest:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointError
+from ..extras import require_for_url
 from ..storage import NEW_FILE_FLAGS, create_new, is_url, local_path
 from .manifest import INIT_PREFIX, MANIFEST, SAVE_MARKER, TEMP_PREFIX
 from .stream import OutputFile
@@ -56,14 +57,18 @@ class LocalDestination:
         """Create the temporary folder (one process only); returns its name for the other ranks."""
         if self.final.exists() and not self.overwrite:
             raise CheckpointError("already exists; pass overwrite=True to replace it", file=str(self.final))
-        self.final.parent.mkdir(parents=True, exist_ok=True)
         name = f"{TEMP_PREFIX}{self.final.name}-{uuid.uuid4().hex[:12]}"
         work = self.final.parent / name
         # the marker stays locked until the commit: a cleaner (remove_abandoned) leaves locked saves alone.
         # The folder gets its temporary name only once the marker is in it, so a folder under that name
         # without a marker is never a live save.
         init = self.final.parent / f"{INIT_PREFIX}{uuid.uuid4().hex[:12]}"
-        init.mkdir()
+        try:
+            self.final.parent.mkdir(parents=True, exist_ok=True)
+            init.mkdir()
+        except OSError as exc:  # a read-only or foreign folder, a file on the way
+            raise CheckpointError(f"cannot create the save's folder: {exc.strerror or exc}", file=str(self.final)) \
+                from None
         # held open, and locked, past this call until the commit or abort: _release_marker closes it
         self._marker = create_new(init / SAVE_MARKER)
         _HELD_MARKERS.add(self._marker.fileno())
@@ -143,8 +148,7 @@ class FsspecDestination:
     """A prefix in an fsspec file system (s3://, gs://, memory://...); the manifest PUT is the commit."""
 
     def __init__(self, url: str, *, overwrite: bool = False, storage_options: dict[str, Any] | None = None):
-        import fsspec
-
+        fsspec = require_for_url(url, feature=f"saving to {url}")
         self.url = url.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         self.overwrite = overwrite

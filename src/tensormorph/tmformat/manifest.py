@@ -9,6 +9,7 @@ last, so a reader never takes a half-written save for a valid one.
 from __future__ import annotations
 
 import base64
+import gc
 import json
 import math
 import re
@@ -21,7 +22,7 @@ import numpy as np
 from .. import dtypes
 from ..errors import CheckpointError, ChecksumError, HeaderError
 from .checksums import CHECKSUM_BLOCK
-from .parity import parse_scheme
+from .parity import MAX_SEGMENT, MAX_STEP_BYTES, parse_scheme
 
 FORMAT = "tensormorph"
 VERSION = 1
@@ -30,7 +31,17 @@ SAVE_MARKER = ".tensormorph-save"  # inside a temporary folder: names the save i
 TEMP_PREFIX = ".tmp-tensormorph-"
 INIT_PREFIX = ".init-tensormorph-"  # a save's folder while its marker is created, before it takes TEMP_PREFIX
 CHECKSUM = "crc32c"
-MAX_MANIFEST_BYTES = 1 << 30
+MAX_MANIFEST_BYTES = 512 * 1024**2
+"""Largest manifest read. Block checksums take 85 MiB of it per TiB of data (64 KiB blocks): about 5 TiB."""
+MAX_MANIFEST_VALUES = 1 << 23
+"""Most JSON values a manifest may hold, counted before it is parsed by the characters that open them (`,[{:`,
+an upper bound). Parsed, a value costs Python up to ~140 bytes (small dicts among the objects, decoded once
+more), whatever the bytes that spell it (`[[],[],...]` takes 3 bytes a value), so this, not the size, bounds
+memory: 8.4 M values, about 360,000 chunks of 2-D tensors (23 values a chunk). Measured at both limits, the worst
+shapes grow memory by 0.6 GiB (empty lists), 1.1 GiB (small dicts) and 1.5 GiB (small dicts and one 490 MB
+string), beyond the bytes read."""
+_STRUCTURE = b",[{:"  # a JSON value is the first in its container or follows a comma; each key precedes a colon
+_TEXT_PIECE = 1 << 24  # characters of the canonical text encoded at a time when checksumming it
 
 
 def rank_file(rank: int) -> str:
@@ -178,7 +189,7 @@ def decode_value(data: Any) -> Any:
             return tuple(decode_value(v) for v in value)
         if tag == "dict" and isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
             return {_hashable(decode_value(k)): decode_value(v) for k, v in value}
-        raise ValueError(f"malformed tagged value {data!r}")
+        raise ValueError(f"malformed tagged value {_brief(data)}")
     return data
 
 
@@ -200,31 +211,82 @@ def unpack_crcs(text: str) -> np.ndarray:
 
 
 
+class _NonFinite(ValueError):
+    """A NaN or infinite number in a manifest: no saver writes one."""
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses as infinity
+        raise _NonFinite(text)
+    return value
+
+
+def _constant(text: str) -> float:
+    raise _NonFinite(text)  # NaN, Infinity, -Infinity
+
+
+def _body_checksum(raw: bytes, outer: dict, body: Any) -> str:
+    """CRC-32C of the body's canonical text. A saver writes the manifest as `{"manifest_crc32c":"...","body":`,
+    the canonical body, then `}`: that slice of the bytes read is checksummed in place; any other spelling is
+    serialised again, and checksummed a piece at a time rather than copied whole."""
+    head = b'{"manifest_crc32c":' + json.dumps(outer.get("manifest_crc32c")).encode() + b',"body":'
+    if raw.startswith(head) and raw.endswith(b"}"):
+        found = f"{crc32c.crc32c(memoryview(raw)[len(head):-1]):08x}"
+        if found == outer.get("manifest_crc32c"):
+            return found
+    text = json.dumps(body, separators=(",", ":"), allow_nan=False)  # no deeper than json.loads went: it parsed
+    value = 0
+    for begin in range(0, len(text), _TEXT_PIECE):
+        value = crc32c.crc32c(text[begin:begin + _TEXT_PIECE].encode(), value)
+    return f"{value:08x}"
+
+
 def parse(raw: bytes, where: str) -> Manifest:
-    """Validate and decode a manifest; every problem is a HeaderError (ChecksumError when damaged)."""
+    """Validate and decode a manifest; every problem is a HeaderError (ChecksumError when damaged).
+
+    Its size and its number of JSON values are bounded (MAX_MANIFEST_BYTES, MAX_MANIFEST_VALUES) before it is
+    parsed, so a hostile manifest cannot make the parser build gigabytes of small objects.
+    """
+    # Millions of fresh containers make the cyclic collector rescan them again and again (the largest
+    # manifest allowed parses 5-8x slower with it on); parsed JSON holds no cycles to collect.
+    enabled = gc.isenabled()
+    gc.disable()
     try:
-        outer = json.loads(raw)
+        return _parse(raw, where)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _parse(raw: bytes, where: str) -> Manifest:
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise HeaderError(f"manifest is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit", file=where)
+    values = sum(raw.count(c) for c in _STRUCTURE)
+    if values > MAX_MANIFEST_VALUES:
+        raise HeaderError(f"manifest holds about {values} JSON values, over the limit of {MAX_MANIFEST_VALUES} "
+                          "(about 360,000 chunks)", file=where)
+    try:
+        outer = json.loads(raw, parse_float=_finite, parse_constant=_constant)
+    except _NonFinite:
+        raise HeaderError("manifest holds non-finite numbers, which no saver writes", file=where) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ChecksumError(f"manifest is not valid JSON ({exc}); it is damaged", file=where) from None
+        raise ChecksumError(f"manifest is not valid JSON ({_brief(exc)}); it is damaged", file=where) from None
     if not isinstance(outer, dict) or not isinstance(outer.get("body"), dict):
         raise HeaderError("manifest must be an object with 'manifest_crc32c' and 'body'", file=where)
     body = outer["body"]
-    try:
-        text = json.dumps(body, separators=(",", ":"), allow_nan=False)
-    except ValueError:  # NaN or Infinity literals: never written by a saver
-        raise HeaderError("manifest holds non-finite numbers, which no saver writes", file=where) from None
-    found = f"{crc32c.crc32c(text.encode()):08x}"
+    found = _body_checksum(raw, outer, body)
     if outer.get("manifest_crc32c") != found:
-        raise ChecksumError(f"manifest checksum is {found}, the manifest records {outer.get('manifest_crc32c')!r}: "
-                            "the manifest is damaged", file=where)
+        raise ChecksumError(f"manifest checksum is {found}, the manifest records "
+                            f"{_brief(outer.get('manifest_crc32c'))}: the manifest is damaged", file=where)
     if body.get("format") != FORMAT:
-        raise HeaderError(f"manifest format is {body.get('format')!r}, expected {FORMAT!r}", file=where)
+        raise HeaderError(f"manifest format is {_brief(body.get('format'))}, expected {FORMAT!r}", file=where)
     if body.get("version") != VERSION:
-        raise HeaderError(f"manifest version {body.get('version')!r} is not supported (this reader knows {VERSION})",
-                          file=where)
+        raise HeaderError(f"manifest version {_brief(body.get('version'))} is not supported (this reader knows "
+                          f"{VERSION})", file=where)
     checksum = _dict(body.get("checksum"), "checksum", where)
     if checksum.get("algorithm") != CHECKSUM or checksum.get("block") != CHECKSUM_BLOCK:
-        raise HeaderError(f"unsupported checksum scheme {checksum!r}", file=where)
+        raise HeaderError(f"unsupported checksum scheme {_brief(checksum)}", file=where)
     world = _int(body.get("world_size"), "world_size", where, minimum=1)
     files = _file_records(body.get("files"), where)
     tensors = {name: _tensor(name, info, files, where)
@@ -233,8 +295,8 @@ def parse(raw: bytes, where: str) -> Manifest:
     for name, value in _dict(body.get("objects"), "objects", where).items():
         try:
             objects[name] = decode_value(value)
-        except (ValueError, TypeError) as exc:
-            raise HeaderError(f"object value cannot be decoded: {exc}", file=where, tensor=name) from None
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise HeaderError(f"object value cannot be decoded: {_brief(exc)}", file=where, tensor=name) from None
     redundancy = _redundancy(body["redundancy"], files, where) if "redundancy" in body else None
     return Manifest(tensors, objects, files, world, _dict(body.get("writer", {}), "writer", where),
                     str(body.get("created", "")), _dict(body.get("extra", {}), "extra", where), redundancy)
@@ -243,7 +305,7 @@ def parse(raw: bytes, where: str) -> Manifest:
 def _file_records(value: Any, where: str) -> dict[str, FileRecord]:
     files: dict[str, FileRecord] = {}
     for name, info in _dict(value, "files", where).items():
-        info = _dict(info, f"files[{name!r}]", where)
+        info = _dict(info, f"files[{_brief(name)}]", where)
         files[name] = FileRecord(_int(info.get("size"), "size", where), _hex(info.get("crc32c"), name, where),
                                  _int(info.get("rank"), "rank", where))
     return files
@@ -251,10 +313,15 @@ def _file_records(value: Any, where: str) -> dict[str, FileRecord]:
 
 def _redundancy(value: Any, data_files: dict[str, FileRecord], where: str) -> Redundancy:
     value = _dict(value, "redundancy", where)
+    text = value.get("scheme")
     try:
-        scheme = parse_scheme(str(value.get("scheme")))
+        scheme = parse_scheme(text if isinstance(text, str) else repr(text))
     except CheckpointError as exc:
         raise HeaderError(exc.reason, file=where) from None
+    segment = _int(value.get("segment"), "segment", where, minimum=1)
+    if segment > MAX_SEGMENT or segment * max(scheme.k, 1) > MAX_STEP_BYTES:
+        raise HeaderError(f"redundancy segment of {segment} bytes for {scheme} exceeds {MAX_SEGMENT} bytes, or "
+                          f"{MAX_STEP_BYTES} bytes over a stripe's k files", file=where)
     files = _file_records(value.get("files"), where)
     stripes = []
     if scheme.kind == "rs":
@@ -265,12 +332,11 @@ def _redundancy(value: Any, data_files: dict[str, FileRecord], where: str) -> Re
             stripe = _dict(stripe, "stripe", where)
             data, parity = stripe.get("data"), stripe.get("parity")
             if (not isinstance(data, list) or not isinstance(parity, list) or not 1 <= len(data) <= scheme.k
-                    or len(parity) != scheme.m or not all(d in data_files for d in data)
-                    or not all(p in files for p in parity)):
+                    or len(parity) != scheme.m or not all(isinstance(d, str) and d in data_files for d in data)
+                    or not all(isinstance(p, str) and p in files for p in parity)):
                 raise HeaderError(f"a stripe of {str(scheme)} must list 1..{scheme.k} known data files and "
-                                  f"{scheme.m} known parity files, found {stripe!r}", file=where)
+                                  f"{scheme.m} known parity files, found {_brief(stripe)}", file=where)
             stripes.append((tuple(data), tuple(parity)))
-    segment = _int(value.get("segment"), "segment", where, minimum=1)
     return Redundancy(str(scheme), segment, files, tuple(stripes))
 
 
@@ -278,7 +344,7 @@ def _tensor(name: str, info: Any, files: dict[str, FileRecord], where: str) -> T
     info = _dict(info, "tensor record", where, name)
     dtype = info.get("dtype")
     if not isinstance(dtype, str) or dtype not in dtypes.NUMPY_DTYPES:
-        raise HeaderError(f"unknown dtype {dtype!r}", file=where, tensor=name)
+        raise HeaderError(f"unknown dtype {_brief(dtype)}", file=where, tensor=name)
     shape = _shape(info.get("shape"), where, name)
     itemsize = dtypes.itemsize(dtype)
     chunks = []
@@ -288,8 +354,9 @@ def _tensor(name: str, info: Any, files: dict[str, FileRecord], where: str) -> T
     for raw in listed:
         raw = _dict(raw, "chunk", where, name)
         file = raw.get("file")
-        if file not in files:
-            raise HeaderError(f"chunk names file {file!r}, which the manifest does not list", file=where, tensor=name)
+        if not isinstance(file, str) or file not in files:
+            raise HeaderError(f"chunk names file {_brief(file)}, which the manifest does not list", file=where,
+                              tensor=name)
         offsets, chunk_shape = _shape(raw.get("offsets"), where, name), _shape(raw.get("shape"), where, name)
         begin, end = (_int(v, "byte_range", where) for v in _pair(raw.get("byte_range"), where, name))
         nbytes = math.prod(chunk_shape) * itemsize
@@ -321,8 +388,8 @@ def _tensor(name: str, info: Any, files: dict[str, FileRecord], where: str) -> T
     mesh_shape = _shape(mesh.get("shape"), where, name)
     if (not isinstance(placements, list) or len(placements) != len(mesh_shape)
             or not all(isinstance(p, str) for p in placements)):
-        raise HeaderError(f"placements {placements!r} do not match the mesh {list(mesh_shape)}", file=where,
-                          tensor=name)
+        raise HeaderError(f"placements {_brief(placements)} do not match the mesh {_brief(list(mesh_shape))}",
+                          file=where, tensor=name)
     names = mesh.get("dim_names")
     return TensorRecord(dtype, shape, tuple(chunks), mesh_shape, _shape(mesh.get("ranks", []), where, name),
                         tuple(names) if isinstance(names, list) else None, tuple(placements))
@@ -340,24 +407,31 @@ def _dict(value: Any, what: str, where: str, name: str | None = None) -> dict:
 
 def _int(value: Any, what: str, where: str, minimum: int = 0) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise HeaderError(f"{what} must be an integer >= {minimum}, found {value!r}", file=where)
+        raise HeaderError(f"{what} must be an integer >= {minimum}, found {_brief(value)}", file=where)
     return value
 
 
 def _hex(value: Any, what: str, where: str) -> int:
     if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{8}", value):
-        raise HeaderError(f"checksum of {what} must be 8 hex digits, found {value!r}", file=where)
+        raise HeaderError(f"checksum of {_brief(what)} must be 8 hex digits, found {_brief(value)}", file=where)
     return int(value, 16)
 
 
 def _shape(value: Any, where: str, name: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62
                                               for v in value):
-        raise HeaderError(f"expected a list of non-negative integers, found {value!r}", file=where, tensor=name)
+        raise HeaderError(f"expected a list of non-negative integers, found {_brief(value)}", file=where,
+                          tensor=name)
     return tuple(value)
 
 
 def _pair(value: Any, where: str, name: str) -> tuple[Any, Any]:
     if not isinstance(value, list) or len(value) != 2:
-        raise HeaderError(f"byte_range must be [begin, end], found {value!r}", file=where, tensor=name)
+        raise HeaderError(f"byte_range must be [begin, end], found {_brief(value)}", file=where, tensor=name)
     return value[0], value[1]
+
+
+def _brief(value: Any, limit: int = 80) -> str:
+    """A value from the manifest as it appears in a one-line message: its repr, cut short."""
+    text = repr(value) if not isinstance(value, BaseException) else str(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

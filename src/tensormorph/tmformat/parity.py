@@ -29,6 +29,13 @@ from .checksums import RunningCrc
 
 SEGMENT = 4 * 1024**2  # bytes of each file encoded per zfec call
 
+MAX_CODE_FILES = 256  # k + m of rs(k,m): zfec's limit (GF(2^8) has 256 evaluation points)
+MAX_PARITY = 64  # m of rs(k,m): more parity files than this per stripe protects against nothing real
+MAX_COPIES = 64  # n of replicate:n: every rank file stored n times; no storage tier keeps more copies
+MAX_SEGMENT = 64 * 1024**2  # a manifest's segment: bytes of each file read at a time to rebuild a file
+MAX_STEP_BYTES = 1024**3  # k * segment: bytes of a stripe held at once to rebuild a file (the writer's 4 MiB
+# segment with k = 255 is just under)
+
 _RS = re.compile(r"^rs\((\d+),\s*(\d+)\)$")
 _REPLICATE = re.compile(r"^replicate:(\d+)$")
 
@@ -49,16 +56,26 @@ class Scheme:
 def parse_scheme(text: str) -> Scheme:
     """'rs(4,2)' or 'replicate:2'."""
     spec = text.replace(" ", "").lower()
+    shown = repr(text) if len(text) <= 40 else f"{text[:40]!r}... ({len(text)} characters)"
     match = _RS.match(spec)
     if match:
-        k, m = int(match.group(1)), int(match.group(2))
-        if not (k >= 1 and m >= 1 and k + m <= 256):
-            raise CheckpointError(f"redundancy {text!r}: need k >= 1, m >= 1 and k + m <= 256")
+        k, m = _count(match.group(1)), _count(match.group(2))
+        if not (k >= 1 and 1 <= m <= MAX_PARITY and k + m <= MAX_CODE_FILES):
+            raise CheckpointError(f"redundancy {shown}: rs(k,m) needs k >= 1, 1 <= m <= {MAX_PARITY} and "
+                                  f"k + m <= {MAX_CODE_FILES}")
         return Scheme("rs", k=k, m=m)
     match = _REPLICATE.match(spec)
-    if match and int(match.group(1)) >= 2:
-        return Scheme("replicate", copies=int(match.group(1)))
-    raise CheckpointError(f"unknown redundancy {text!r}: use rs(k,m), e.g. rs(4,2), or replicate:n with n >= 2")
+    if match:
+        copies = _count(match.group(1))
+        if not 2 <= copies <= MAX_COPIES:
+            raise CheckpointError(f"redundancy {shown}: replicate:n needs 2 <= n <= {MAX_COPIES}")
+        return Scheme("replicate", copies=copies)
+    raise CheckpointError(f"unknown redundancy {shown}: use rs(k,m), e.g. rs(4,2), or replicate:n")
+
+
+def _count(digits: str) -> int:
+    """A count spelled in decimal; any of more than 6 digits is too large (and int() of thousands is slow)."""
+    return int(digits) if len(digits) <= 6 else 10**6
 
 
 def parity_file(stripe: int, index: int) -> str:

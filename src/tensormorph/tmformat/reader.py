@@ -18,10 +18,11 @@ import crc32c
 import numpy as np
 
 from .. import dtypes
-from ..core import Chunk, LayoutOnly, validate_tiling
+from ..core import Chunk
 from ..errors import CheckpointError, ChecksumError, MissingFileError, TruncatedFileError
 from ..geometry import Box, box_runs, intersect
 from ..storage import ByteStore
+from ..tiling import LayoutOnly, validate_tiling
 from .checksums import verify_blocks
 from .integrity import file_crc32c
 from .manifest import ChunkRecord, FileRecord, Manifest

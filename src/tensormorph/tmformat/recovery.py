@@ -1,16 +1,58 @@
 """Rebuilding a lost or damaged file of a Tensormorph checkpoint from its stripe's parity or a copy.
 
 parity.py is the coder and knows no manifest; this module finds, from the manifest, which files can
-rebuild which, and whether enough of them are intact.
+rebuild which, and whether enough of them are intact. The file -> group index is built once per manifest, so
+checking every damaged file of a wide checkpoint stays linear in its files.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from ..errors import CheckpointError
 from .manifest import FileRecord, Manifest
-from .parity import Stripe, parse_scheme, rebuild, replica_file
+from .parity import Scheme, Stripe, parse_scheme, rebuild, replica_file
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The files that can rebuild one another: a data file and its copies, or a stripe's data and parity."""
+
+    data: tuple[str, ...]
+    parity: tuple[str, ...]  # () for copies
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return self.data + self.parity
+
+
+# by id: a Manifest holds dicts, so it cannot be hashed; an entry goes when its manifest does
+_INDEXES: dict[int, tuple[Scheme, dict[str, _Group]]] = {}
+
+
+def _index(manifest: Manifest) -> tuple[Scheme, dict[str, _Group]]:
+    """The scheme, and each data, parity or copy file's group (built on first use)."""
+    known = _INDEXES.get(id(manifest))
+    if known is not None:
+        return known
+    plan = manifest.redundancy
+    if plan is None:
+        raise CheckpointError("the checkpoint was saved without redundancy")
+    scheme = parse_scheme(plan.scheme)
+    groups: dict[str, _Group] = {}
+    if scheme.kind == "replicate":
+        for data in manifest.files:
+            group = _Group((data, *(replica_file(data, c) for c in range(1, scheme.copies))), ())
+            groups.update(dict.fromkeys(group.files, group))
+    else:
+        for data_files, parity_files in plan.stripes:
+            group = _Group(tuple(data_files), tuple(parity_files))
+            groups.update(dict.fromkeys(group.files, group))
+    _INDEXES[id(manifest)] = scheme, groups
+    weakref.finalize(manifest, _INDEXES.pop, id(manifest), None)
+    return scheme, groups
 
 
 def all_files(manifest: Manifest) -> dict[str, FileRecord]:
@@ -20,57 +62,47 @@ def all_files(manifest: Manifest) -> dict[str, FileRecord]:
 
 def group_of(manifest: Manifest, name: str) -> tuple[str, ...]:
     """The files that can rebuild `name`: its stripe (data and parity), or its copies; () without redundancy."""
-    plan = manifest.redundancy
-    if plan is None:
+    if manifest.redundancy is None:
         return ()
-    scheme = parse_scheme(plan.scheme)
-    if scheme.kind == "replicate":
-        for data in manifest.files:
-            copies = (data, *(replica_file(data, c) for c in range(1, scheme.copies)))
-            if name in copies:
-                return copies
-        return ()
-    return next((data + parity for data, parity in plan.stripes if name in data or name in parity), ())
+    group = _index(manifest)[1].get(name)
+    return group.files if group is not None else ()
+
+
+def _group(manifest: Manifest, lost: str) -> tuple[Scheme, _Group]:
+    try:
+        scheme, groups = _index(manifest)
+    except CheckpointError:
+        raise CheckpointError(f"cannot rebuild {lost}: the checkpoint was saved without redundancy") from None
+    group = groups.get(lost)
+    if group is None:
+        what = "a data file or copy" if scheme.kind == "replicate" else "in any stripe"
+        raise CheckpointError(f"cannot rebuild {lost}: it is not {what} of this checkpoint")
+    return scheme, group
 
 
 def recover(manifest: Manifest, lost: str, intact: set[str], read: Callable[[str, int, int], bytes]) -> Iterator[bytes]:
     """The bytes of file `lost`, rebuilt from parity or a copy; CheckpointError when beyond the redundancy."""
+    scheme, group = _group(manifest, lost)
     plan = manifest.redundancy
-    if plan is None:
-        raise CheckpointError(f"cannot rebuild {lost}: the checkpoint was saved without redundancy")
-    scheme = parse_scheme(plan.scheme)
+    assert plan is not None  # _group refused a manifest without redundancy
     if scheme.kind == "replicate":
-        data_file = next((d for d in manifest.files for c in range(1, scheme.copies)
-                          if lost in (d, replica_file(d, c))), None)
-        if data_file is None:
-            raise CheckpointError(f"cannot rebuild {lost}: it is not a data file or copy of this checkpoint")
-        copies = [data_file] + [replica_file(data_file, c) for c in range(1, scheme.copies)]
-        sources = [n for n in copies if n != lost and n in intact]
+        sources = [n for n in group.data if n != lost and n in intact]
         if not sources:
-            raise CheckpointError(f"cannot rebuild {lost}: every copy of {data_file} is damaged or missing")
+            raise CheckpointError(f"cannot rebuild {lost}: every copy of {group.data[0]} is damaged or missing")
         size = all_files(manifest)[lost].size
         return (read(sources[0], b, min(b + plan.segment, size)) for b in range(0, size, plan.segment))
-    for data, parity in plan.stripes:
-        if lost in data or lost in parity:
-            stripe = Stripe(data, tuple(manifest.files[d].size for d in data), parity)
-            return rebuild(stripe, scheme.k, scheme.m, lost, intact, read, plan.segment)
-    raise CheckpointError(f"cannot rebuild {lost}: no stripe holds it")
+    stripe = Stripe(group.data, tuple(manifest.files[d].size for d in group.data), group.parity)
+    return rebuild(stripe, scheme.k, scheme.m, lost, intact, read, plan.segment)
 
 
 def check_recoverable(manifest: Manifest, name: str, intact: set[str]) -> None:
     """Raise CheckpointError unless `name` can be rebuilt from the intact files."""
-    plan = manifest.redundancy
-    if plan is None:
-        raise CheckpointError("the checkpoint was saved without redundancy")
-    scheme = parse_scheme(plan.scheme)
+    scheme, group = _group(manifest, name)
     if scheme.kind == "replicate":
-        recover(manifest, name, intact, lambda *_: b"")  # lazy: only checks that an intact copy exists
+        if not any(n != name and n in intact for n in group.data):
+            raise CheckpointError(f"every copy of {group.data[0]} is damaged or missing")
         return
-    for data, parity in plan.stripes:
-        if name in data or name in parity:
-            alive = sum(1 for f in data + parity if f in intact and f != name) + (scheme.k - len(data))
-            if alive < scheme.k:
-                raise CheckpointError(f"only {alive} of its stripe's {scheme.k + scheme.m} files are intact, "
-                                      f"{scheme.k} are needed")
-            return
-    raise CheckpointError(f"no stripe holds {name}")
+    alive = sum(1 for f in group.files if f in intact and f != name) + (scheme.k - len(group.data))
+    if alive < scheme.k:
+        raise CheckpointError(f"only {alive} of its stripe's {scheme.k + scheme.m} files are intact, "
+                              f"{scheme.k} are needed")

@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes
-from ..core import Chunk, LayoutOnly, validate_tiling
+from ..core import Chunk
 from ..errors import ChunkLayoutError, HeaderError
+from ..tiling import LayoutOnly, validate_tiling
 from ..version import __version__
 from .checksums import CHECKSUM_BLOCK
 from .commit import destination, store

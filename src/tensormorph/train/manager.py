@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, MissingFileError
+from ..storage import LocalFiles
+from ..tmformat.checkpoint import read_manifest
 from ..tmformat.commit import remove_abandoned
-from ..tmformat.manifest import MANIFEST, TEMP_PREFIX, parse
+from ..tmformat.manifest import MANIFEST, TEMP_PREFIX
 
 __all__ = ["FOLDER_PREFIX", "TRAIN_KEY", "CheckpointInfo", "CheckpointManager"]
 
@@ -115,8 +117,8 @@ class CheckpointManager:
         if cached is not None and cached[0] == key:
             return cached[1]
         try:
-            manifest = parse(manifest_path.read_bytes(), str(manifest_path))
-        except FileNotFoundError:
+            manifest = read_manifest(LocalFiles(folder), str(folder))  # size-capped before it is read
+        except MissingFileError:
             return None
         except CheckpointError as exc:
             warnings.warn(f"ignoring a checkpoint whose manifest is damaged: {exc}", stacklevel=4)

@@ -7,16 +7,19 @@ is touched for them); a rank uses its own, and another world size uses every ran
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from ..distributed import load as tm_load
 from ..distributed.collective import Collective
 from ..errors import CheckpointError
-from ..tmformat.manifest import MANIFEST, parse
+from ..storage import LocalFiles
+from ..tmformat.checkpoint import read_manifest
 from . import rng
 from .manager import TRAIN_KEY, CheckpointManager
 from .plain import from_plain, to_plain
@@ -41,6 +44,7 @@ class Resumer:
         self._manager = manager
         self._control = control
         self._pending: _Generators | None = None
+        self._pending_data: tuple[Any, dict[str, Any]] | None = None  # a StatefulDataLoader's, until it iterates
 
     def choose(self, step: int | None) -> Path | None:
         """The checkpoint to resume: the newest, or the newest of `step`; None when there is none.
@@ -58,7 +62,7 @@ class Resumer:
         """Load the checkpoint at `path` into what is given (collective); its step and its `extra`."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        manifest = parse((path / MANIFEST).read_bytes(), str(path / MANIFEST))
+        manifest = read_manifest(LocalFiles(path), str(path))
         meta = manifest.extra[TRAIN_KEY]
         given = optimizers(optimizer)
         target: dict[str, Any] = {"step": None, **component_states(model, given, scheduler, scaler)}
@@ -93,6 +97,9 @@ class Resumer:
         """This rank's data position, as plain values."""
         kind, sampler, loader = loader_parts(dataloader)
         if kind == "stateful":
+            saved = self._pending_data
+            if saved is not None and saved[0] is loader:  # its state_dict() would make the iterator now
+                return saved[1]
             return {"kind": kind, "state": to_plain(loader.state_dict(), "dataloader")}
         pending = self._pending
         generator = pending.loader if pending is not None and pending.loader else generator_state(loader)
@@ -121,32 +128,55 @@ class Resumer:
                     "StatefulDataLoader's state is one rank's share of the data and cannot be split anew; use a "
                     "ResumableSampler, or resume without dataloader= to start the data afresh", file=str(path))
             loader.load_state_dict(from_plain(data[rank]["state"]))
-            # StatefulDataLoader makes its iterator here, drawing from the global generator; the restore
-            # below comes after that draw, so the resumed run's streams match the uninterrupted one's
-            loader.state_dict()
-            self._restore(generators, None)
+            if not isinstance(loader, DataLoader):  # no DataLoader iterator, no draw of it to wait for
+                self._restore(generators, None)
+                return
+            # The loader makes its iterator, and its sampler's order, when the loop next iterates it, after the
+            # loop's set_epoch; that draws from the global generator, where the uninterrupted run (which had its
+            # iterator) drew nothing. The generators are restored right after that draw; until then a save
+            # stores the saved generator states and data position.
+            self._pending, self._pending_data = generators, (loader, data[rank])
+            _after_next_iterator(loader, lambda: self._restore(generators, None))
             return
         assert sampler is not None
         sampler.load_states([data[rank]["state"]] if same_world else [d["state"] for d in data], same_world=same_world)
-        if loader is None:  # the sampler alone: whoever iterates it makes no draw of its own
+        if loader is None or not same_world:
+            # the sampler alone: whoever iterates it makes no draw of its own; on another number of ranks the
+            # generators were re-seeded above, before any draw
             self._restore(generators, None)
             return
-        generators.loader = data[rank]["generator"] if same_world else None
-        in_pass = any(d["state"].get("in_pass", not d["state"]["complete"]) for d in data)
-        # A DataLoader draws from a generator when it makes an iterator. When no pass was in progress at the
-        # save (an epoch had ended, or none had begun) the uninterrupted run makes one at this point too
-        # (unless its workers persist, keeping theirs), so the generators are restored now and the draws
-        # match. Mid-pass it made none: the restore waits for the resumed loader's first index, which comes
-        # after that loader's draw.
-        if not in_pass and not (loader.persistent_workers and loader.num_workers > 0):
+        generators.loader = data[rank]["generator"]
+        # A DataLoader draws from a generator when it makes an iterator. When no pass was under way at the save
+        # (none had begun in that epoch) the uninterrupted run makes one at the next pass too, so the generators
+        # are restored now and the draws match. When one was (mid-pass, or complete: its end not yet seen) it
+        # had an iterator, the resumed loader makes one: the restore waits for that loader's first index. A
+        # loop that skips the rest of the pass and sets another epoch first makes one iterator, as the
+        # uninterrupted run does: then the restore comes at that set_epoch. Workers that persist keep their
+        # iterator across passes, so with them the restore always waits for the first index.
+        persistent = loader.persistent_workers and loader.num_workers > 0
+        if not sampler._began and not persistent:
             self._restore(generators, loader)
         else:
             self._pending = generators
-            sampler._on_first_index = lambda: self._restore(generators, loader)
+            sampler._run_later(lambda: self._restore(generators, loader), at_new_epoch=not persistent)
 
     def _restore(self, generators: _Generators, loader: Any) -> None:
-        self._pending = None
+        self._pending = self._pending_data = None
         if generators.states is not None:
             rng.restore(generators.states)
         if generators.loader is not None and isinstance(getattr(loader, "generator", None), torch.Generator):
             loader.generator.set_state(torch.frombuffer(bytearray(generators.loader), dtype=torch.uint8))
+
+
+def _after_next_iterator(loader: DataLoader, hook: Callable[[], None]) -> None:
+    """Run `hook` once, right after `loader` next makes an iterator (DataLoader.__iter__ calls `_get_iterator`)."""
+    vars(loader).pop("_get_iterator", None)  # the hook of an earlier resume that never ran
+    make = loader._get_iterator
+
+    def make_then_hook() -> Any:
+        vars(loader).pop("_get_iterator", None)
+        iterator = make()
+        hook()
+        return iterator
+
+    setattr(loader, "_get_iterator", make_then_hook)  # noqa: B010  (an instance attribute over the method)

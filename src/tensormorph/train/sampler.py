@@ -9,6 +9,12 @@ is what the loader's iterator has *yielded*, not what the sampler handed out.
 The position is global: `start` (where in the epoch's order the current split
 began) plus `world x consumed`. Resuming on another number of ranks splits
 the rest of the epoch over the new ranks, so no sample is repeated or skipped.
+
+A position is restored exactly where it was saved, as torchdata restores a
+StatefulDataLoader: one saved at the end of an epoch resumes in that epoch,
+whose pass yields nothing, and `set_epoch(epoch + 1)` starts the next. So the
+loop may set the epoch from its own saved counter, from the step, or from
+`sampler.epoch`: `set_epoch` with the epoch in progress keeps its position.
 """
 
 from __future__ import annotations
@@ -94,8 +100,10 @@ class ResumableSampler(Sampler[int]):
 
     Same arguments and the same order as `torch.utils.data.distributed.DistributedSampler`
     (each epoch shuffled from `seed + epoch`, padded or truncated to a multiple of the ranks).
-    Call `set_epoch(epoch)` at the start of every epoch; after a resume continue from
-    `sampler.epoch`. Give the DataLoader (or this sampler) to `Checkpointer.save`/`resume`.
+    Call `set_epoch(epoch)` at the start of every epoch; with the epoch in progress it keeps the
+    position, so after a resume the loop may set the epoch it saved, or `sampler.epoch`. A position
+    saved at the end of an epoch resumes there: that pass yields nothing. Give the DataLoader (or
+    this sampler) to `Checkpointer.save`/`resume`.
     """
 
     def __init__(self, dataset: Sized | int, num_replicas: int | None = None, rank: int | None = None,
@@ -117,7 +125,12 @@ class ResumableSampler(Sampler[int]):
         self._pass: _Pass | None = None
         self._order_cache: tuple[int, list[int]] | None = None
         self._share_cache: tuple[tuple[int, int], list[int]] | None = None
+        # restored from a position saved while a pass was under way (or complete: the saving run's DataLoader
+        # had an iterator for it, which the resumed run makes anew), and whether that pass was complete
+        self._began = False
+        self._complete = False
         self._on_first_index: Callable[[], None] | None = None
+        self._on_new_epoch: Callable[[], None] | None = None
 
     # ---- the order ------------------------------------------------------------------------------------
 
@@ -157,22 +170,33 @@ class ResumableSampler(Sampler[int]):
         """Start `epoch` (its own shuffle); the epoch already in progress keeps its position."""
         if epoch != self.epoch:
             self.epoch, self._start, self._offset, self._pass = epoch, 0, 0, None
+            self._began = self._complete = False
+            self._run_hook(self._on_new_epoch)
+
+    def _run_later(self, hook: Callable[[], None], *, at_new_epoch: bool) -> None:
+        """Run `hook` once, when this sampler next hands out an index (or, with `at_new_epoch`, when `set_epoch`
+        starts another epoch before that), whichever comes first."""
+        self._on_first_index, self._on_new_epoch = hook, hook if at_new_epoch else None
 
     def _first_index(self) -> None:
-        hook, self._on_first_index = self._on_first_index, None
+        self._run_hook(self._on_first_index)
+
+    def _run_hook(self, hook: Callable[[], None] | None) -> None:
         if hook is not None:
+            self._on_first_index = self._on_new_epoch = None
             hook()
 
     # ---- position -------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's position: the epoch, where its split began and how much of its share was consumed."""
-        consumed, complete = self._offset, False
+        consumed, complete = self._offset, self._complete
         if self._pass is not None:
             taken, complete = self._pass.consumed()
             consumed += taken
+        # in_pass: the DataLoader has an iterator for this position (it made one for the pass, complete or not)
         return {"epoch": self.epoch, "start": self._start, "world": self.num_replicas, "rank": self.rank,
-                "consumed": consumed, "complete": complete, "in_pass": self._pass is not None and not complete,
+                "consumed": consumed, "complete": complete, "in_pass": self._pass is not None or self._began,
                 "length": self.length, "seed": self.seed,
                 "shuffle": self.shuffle, "drop_last": self.drop_last}
 
@@ -182,7 +206,8 @@ class ResumableSampler(Sampler[int]):
 
     def load_states(self, states: list[dict[str, Any]], *, same_world: bool) -> None:
         """Continue from the positions every rank saved: this rank's own when the number of ranks is the
-        same, else the global position (the slowest rank's) split over the current ranks."""
+        same, else the global position (the slowest rank's) split over the current ranks. A complete pass
+        stays complete: the rest of its epoch is empty."""
         first = states[0]
         for key, mine in (("length", self.length), ("seed", self.seed), ("shuffle", self.shuffle),
                           ("drop_last", self.drop_last)):
@@ -195,6 +220,10 @@ class ResumableSampler(Sampler[int]):
                 raise CheckpointError(f"the sampler's position was saved on {state['world']} ranks and is loaded "
                                       f"on {self.num_replicas}")
             self.epoch, self._start, self._offset = state["epoch"], state["start"], state["consumed"]
+            if state["complete"]:  # with a DataLoader's drop_last, what it dropped stays dropped
+                self._offset = len(self._share())
+            # checkpoints written before in_pass counted complete passes have in_pass False for them
+            self._began = state.get("in_pass", True) or state["complete"]
         else:
             consumed = [s["consumed"] for s in states]
             if len(set(consumed)) > 1:
@@ -203,7 +232,9 @@ class ResumableSampler(Sampler[int]):
                               "are seen again", stacklevel=3)
             self.epoch = first["epoch"]
             self._start = min(self.length, first["start"] + first["world"] * min(consumed))
+            if all(s["complete"] for s in states):
+                self._start = self.length
             self._offset = 0
+            self._began = False  # the generators are re-seeded at the resume, before any DataLoader draws
+        self._complete = all(s["complete"] for s in states)
         self._pass = None
-        if all(s["complete"] for s in states):
-            self.set_epoch(self.epoch + 1)

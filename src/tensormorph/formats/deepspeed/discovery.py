@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 from ...errors import HeaderError, MissingFileError, UnsupportedError
-from ...storage import LocalFiles
+from ...storage import LocalFiles, open_regular, read_capped
 
 LATEST = "latest"
 MAX_TAG_BYTES = 4096
@@ -19,11 +20,15 @@ def read_tag(latest: Path) -> str:
     real = latest.resolve()
     if latest.parent.resolve() not in real.parents:
         raise HeaderError(f"is a link to {real}, outside the checkpoint folder", file=str(latest))
-    size = real.stat().st_size
-    if size > MAX_TAG_BYTES:
-        raise HeaderError(f"is {size} bytes; a tag file holds one short line", file=str(latest))
+    fd = open_regular(real)  # a FIFO or a device is refused, not waited on or read without end
     try:
-        tag = real.read_bytes().decode("utf-8").strip()
+        raw = read_capped(fd, MAX_TAG_BYTES)
+    finally:
+        os.close(fd)
+    if raw is None:
+        raise HeaderError(f"is over {MAX_TAG_BYTES} bytes; a tag file holds one short line", file=str(latest))
+    try:
+        tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
         raise HeaderError("is not UTF-8 text naming a tag", file=str(latest)) from None
     if not tag or "\n" in tag or "\x00" in tag:

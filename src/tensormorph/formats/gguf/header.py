@@ -2,7 +2,10 @@
 
 The header is parsed here, not by `gguf.GGUFReader`: that reader maps the whole file and walks whatever
 counts a file claims, while here every count and length is checked against the bytes that remain before
-anything is allocated, and the header is fetched in growing pieces through the byte store.
+anything is allocated, and the header is fetched in pieces through the byte store (what has been parsed is
+dropped). What one pass (opening, or loading one long array) decodes or walks item by item is bounded too,
+across all key/values and nested arrays (MAX_METADATA_ITEMS, MAX_DECODED_STRING_BYTES), so a header within its
+size limit cannot expand into gigabytes of Python objects.
 """
 
 from __future__ import annotations
@@ -23,8 +26,18 @@ MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # version 1 stored counts and lengths as u32; llama.cpp dropped it in 2023
 DEFAULT_ALIGNMENT = 32
 MAX_HEADER_BYTES = 256 * 1024**2  # a 256k-token vocabulary with scores takes about 8 MiB
-MAX_COUNT = 1_000_000  # tensors or key/values in one file
+MAX_COUNT = 1_000_000  # key/values in one file (and a bound on the tensor count claimed, checked first)
+MAX_TENSORS = 100_000  # tensor infos in one file: real ones hold a few thousand; each costs about 1 KB opened
 MAX_STRING_BYTES = 64 * 1024**2  # one chat template or merge list entry; whole arrays are bounded by the header
+MAX_METADATA_ITEMS = 2_000_000
+"""Values, array items and names that one pass over a header (opening a file, or loading one long array)
+decodes or walks one by one, counted across all key/values and nested arrays; items of fixed size that are only
+skipped do not count. A 256k-token vocabulary with its merges takes about 550,000; a decoded item costs Python
+up to about 60 bytes, so this bounds a pass to about 120 MB of objects (and a second or two)."""
+MAX_DECODED_STRING_BYTES = 64 * 1024**2
+"""Bytes of strings (values, keys, names) one pass decodes: as much as the longest string allowed. A string takes
+up to 4 bytes a byte once decoded (one character beyond Latin-1 makes every character 4 bytes wide)."""
+FETCH_PIECE = 4 * 1024**2  # header bytes fetched at a time
 MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp refuses more
 MAX_ARRAY_DEPTH = 8
 EAGER_ARRAY_ITEMS = 64
@@ -95,19 +108,33 @@ class Header:
 
 
 class _Cursor:
-    """Reads a header front to back, fetching more of the file as it goes, never past MAX_HEADER_BYTES."""
+    """Reads a header front to back, fetching the file in pieces as it goes (never past MAX_HEADER_BYTES) and
+    dropping what it has parsed; it counts what it decodes against the budget of one pass."""
 
-    def __init__(self, fetch: Callable[[int, int], bytes] | None, size: int, path: str, data: bytes = b"",
-                 base: int = 0):
-        self.fetch, self.size, self.path = fetch, size, path
-        self.data = bytearray(data)
+    def __init__(self, fetch: Callable[[int, int], bytes], size: int, path: str, *, base: int = 0,
+                 ends: str = "file"):
+        self.fetch, self.size, self.path, self.ends = fetch, size, path, ends
+        self.data = bytearray()  # the file's bytes from `base`; changed only in place
         self.base = base  # file offset of data[0]
         self.pos = base
         self.tensor: str | None = None  # named in errors while its info is parsed
+        self.items_left = MAX_METADATA_ITEMS
+        self.string_bytes_left = MAX_DECODED_STRING_BYTES
 
     @property
     def remaining(self) -> int:
         return min(self.size, MAX_HEADER_BYTES) - self.pos
+
+    def spend(self, items: int, what: str, string_bytes: int = 0) -> None:
+        """Count `items` (and `string_bytes`) about to be decoded or walked against the budget of this pass."""
+        self.items_left -= items
+        self.string_bytes_left -= string_bytes
+        if self.items_left < 0:
+            self.fail(HeaderError, f"{what}: the metadata holds more than {MAX_METADATA_ITEMS} values and array "
+                                   "items, over the limit")
+        if self.string_bytes_left < 0:
+            self.fail(HeaderError, f"{what}: the metadata holds more than {MAX_DECODED_STRING_BYTES} bytes of "
+                                   "strings, over the limit")
 
     def take(self, n: int, what: str) -> bytes:
         end = self.pos + n
@@ -115,6 +142,13 @@ class _Cursor:
         start = self.pos - self.base
         self.pos = end
         return bytes(self.data[start:start + n])
+
+    def skip(self, n: int, what: str) -> None:
+        """Move past `n` bytes without reading them."""
+        end = self.pos + n
+        if end - self.base > len(self.data):
+            self._check_end(end, what)
+        self.pos = end
 
     def unpack(self, fmt: str, what: str) -> Any:
         size = struct.calcsize(fmt)
@@ -127,45 +161,60 @@ class _Cursor:
         length = self.unpack("<Q", f"the length of {what}")
         if length > MAX_STRING_BYTES:
             self.fail(HeaderError, f"{what} claims {length} bytes, over the {MAX_STRING_BYTES}-byte limit")
+        self.spend(1, what, length)
         return self.take(length, what)
 
     def strings(self, count: int, what: str, *, keep: bool) -> list[str]:
         """`count` length-prefixed strings, decoded when `keep`, else only walked past (a vocabulary's hot loop)."""
+        self.spend(count, what)
         out: list[str] = []
-        data, base, unpack = self.data, self.base, _U64.unpack_from  # _ensure extends `data` in place
-        pos = self.pos
+        unpack, limit = _U64.unpack_from, min(self.size, MAX_HEADER_BYTES)
+        data, base, pos = self.data, self.base, self.pos
         for _ in range(count):
             if pos + 8 - base > len(data):
                 self.pos = pos
                 self._ensure(pos + 8, f"the length of {what}")
+                base = self.base
             (length,) = unpack(data, pos - base)
             start, pos = pos + 8, pos + 8 + length
             if length > MAX_STRING_BYTES:
                 self.pos = start
                 self.fail(HeaderError, f"{what} claims {length} bytes, over the {MAX_STRING_BYTES}-byte limit")
-            if pos - base > len(data) and (keep or pos > min(self.size, MAX_HEADER_BYTES)):
-                self.pos = start
-                self._ensure(pos, what)
             if keep:
+                self.pos = start
+                self.spend(0, what, length)
+                if pos - base > len(data):
+                    self._ensure(pos, what)
+                    base = self.base
                 out.append(data[start - base:pos - base].decode("utf-8", "backslashreplace"))
+            elif pos > limit:
+                self.pos = start
+                self._check_end(pos, what)
         self.pos = pos
         return out
 
     def fail(self, kind: type[CheckpointError], message: str) -> NoReturn:
         raise kind(message, file=self.path, tensor=self.tensor)
 
+    def _check_end(self, end: int, what: str) -> None:
+        if end > self.size:
+            self.fail(TruncatedFileError, f"{what} at byte {self.pos} needs {end - self.pos} bytes, but the "
+                                          f"{self.ends} ends at byte {self.size}")
+        if end > MAX_HEADER_BYTES:
+            self.fail(HeaderError, f"the header runs past the {MAX_HEADER_BYTES}-byte limit (reading {what})")
+
     def _ensure(self, end: int, what: str) -> None:
         if end - self.base <= len(self.data):
             return
-        if end > self.size:
-            self.fail(TruncatedFileError, f"{what} at byte {self.pos} needs {end - self.pos} bytes, but the "
-                                          f"{'file' if self.fetch else 'record'} ends at byte {self.size}")
-        if end > MAX_HEADER_BYTES:
-            self.fail(HeaderError, f"the header runs past the {MAX_HEADER_BYTES}-byte limit (reading {what})")
-        assert self.fetch is not None  # a cursor over a record holds all of it: size bounds every read
+        self._check_end(end, what)
+        # the bytes before the cursor are never read again: the buffer holds only what is being parsed
+        if self.pos >= self.base + len(self.data):
+            self.data.clear()
+        else:
+            del self.data[:self.pos - self.base]
+        self.base = self.pos
         have = self.base + len(self.data)
-        target = min(self.size, MAX_HEADER_BYTES, max(end, 2 * have, 1 << 16))
-        self.data += self.fetch(have, target - have)
+        self.data += self.fetch(have, min(self.size, MAX_HEADER_BYTES, max(end, have + FETCH_PIECE)) - have)
 
 
 def _value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> Any:
@@ -173,10 +222,23 @@ def _value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> Any:
         cur.fail(HeaderError, f"key {key!r} has value type {vtype}; expected one of {sorted(VALUE_TYPES)}")
     name, fmt = VALUE_TYPES[vtype]
     if fmt is not None:
+        cur.spend(1, f"the {name} value of {key!r}")
         value = cur.unpack(fmt, f"the {name} value of {key!r}")
         return bool(value) if vtype == BOOL else value
     if vtype == STRING:
         return cur.string(f"the string value of {key!r}").decode("utf-8", "backslashreplace")
+    item_type, count = _array_header(cur, key, depth)
+    if depth == 0 and count > EAGER_ARRAY_ITEMS:
+        begin = cur.pos
+        head = _items(cur, item_type, SUMMARY_ITEMS, key, depth)
+        _skip(cur, item_type, count - SUMMARY_ITEMS, key, depth)
+        return LongArray(key, item_type, count, begin, cur.pos, head)
+    return _items(cur, item_type, count, key, depth)
+
+
+def _array_header(cur: _Cursor, key: str, depth: int) -> tuple[int, int]:
+    """(item type, count) of an array, checked: a known type, nested at most MAX_ARRAY_DEPTH deep, and a count
+    whose smallest items fit in the header that remains."""
     item_type = cur.unpack("<I", f"the item type of array {key!r}")
     count = cur.unpack("<Q", f"the length of array {key!r}")
     if item_type not in VALUE_TYPES:
@@ -187,12 +249,7 @@ def _value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> Any:
     if count * smallest > cur.remaining:
         cur.fail(TruncatedFileError, f"array {key!r} claims {count} items of at least {smallest} bytes, but only "
                                      f"{max(cur.remaining, 0)} bytes of header can follow")
-    if depth == 0 and count > EAGER_ARRAY_ITEMS:
-        begin = cur.pos
-        head = _items(cur, item_type, SUMMARY_ITEMS, key, depth)
-        _skip(cur, item_type, count - SUMMARY_ITEMS, key)
-        return LongArray(key, item_type, count, begin, cur.pos, head)
-    return _items(cur, item_type, count, key, depth)
+    return item_type, count
 
 
 def _item_bytes(item_type: int) -> int:
@@ -204,23 +261,28 @@ def _item_bytes(item_type: int) -> int:
 def _items(cur: _Cursor, item_type: int, count: int, key: str, depth: int) -> list[Any]:
     fmt = VALUE_TYPES[item_type][1]
     if fmt is not None:
+        cur.spend(count, f"the items of array {key!r}")
         raw = cur.take(count * struct.calcsize(fmt), f"the items of array {key!r}")
-        values = np.frombuffer(raw, np.dtype(fmt)).tolist()
-        return [bool(v) for v in values] if item_type == BOOL else values
+        values = np.frombuffer(raw, np.dtype(fmt))
+        return (values != 0 if item_type == BOOL else values).tolist()
     if item_type == STRING:
         return cur.strings(count, f"an item of array {key!r}", keep=True)
+    cur.spend(count, f"the items of array {key!r}")
     return [_value(cur, ARRAY, key, depth + 1) for _ in range(count)]
 
 
-def _skip(cur: _Cursor, item_type: int, count: int, key: str) -> None:
+def _skip(cur: _Cursor, item_type: int, count: int, key: str, depth: int) -> None:
+    """Walk past `count` items without decoding them: fixed-size ones in one step, strings and arrays one by one
+    (their lengths say where the next begins)."""
     fmt = VALUE_TYPES[item_type][1]
     if fmt is not None:
-        cur.take(count * struct.calcsize(fmt), f"the items of array {key!r}")
+        cur.skip(count * struct.calcsize(fmt), f"the items of array {key!r}")
     elif item_type == STRING:
         cur.strings(count, f"an item of array {key!r}", keep=False)
     else:
+        cur.spend(count, f"the items of array {key!r}")
         for _ in range(count):
-            _value(cur, ARRAY, key, 1)
+            _skip(cur, *_array_header(cur, key, depth + 1), key, depth + 1)
 
 
 def read_header(files: ByteStore, name: str) -> Header:
@@ -244,6 +306,8 @@ def read_header(files: ByteStore, name: str) -> Header:
     for count, what in ((tensor_count, "tensor"), (kv_count, "key/value")):
         if count > MAX_COUNT:
             cur.fail(HeaderError, f"claims {count} {what} records, over the limit of {MAX_COUNT}")
+    if tensor_count > MAX_TENSORS:
+        cur.fail(HeaderError, f"claims {tensor_count} tensor records, over the limit of {MAX_TENSORS}")
 
     metadata: dict[str, Any] = {}
     for _ in range(kv_count):
@@ -320,8 +384,8 @@ def _tensor_info(path: str, size: int, alignment: int, data_start: int, name: st
 
 
 def read_long_array(files: ByteStore, name: str, array: LongArray) -> list[Any]:
-    """Every item of a long metadata array, read from its bytes in the file."""
-    data = files.read(name, array.begin, array.end - array.begin)
-    cur = _Cursor(None, array.end, files.describe(name), data, base=array.begin)
+    """Every item of a long metadata array, read from its bytes in the file (a pass of its own: bounded as one)."""
+    cur = _Cursor(lambda offset, length: files.read(name, offset, length), array.end, files.describe(name),
+                  base=array.begin, ends="array")
     return _items(cur, array.item_type, array.count, array.key, 0)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from ... import dtypes
 from ...core import Checkpoint, Chunk, ChunkSource, LogicalTensor, MappedArray, ObjectEntry
 from ...errors import HeaderError, MissingFileError
-from ...storage import ByteStore, LocalFiles, MappableStore
+from ...storage import ByteStore, LocalFiles, MappableStore, read_head
 from ..contract import Detection, no_checksums
 from .header import MAGIC, RAW_TYPES, Header, LongArray, TensorInfo, read_header, read_long_array
 from .quantized import QuantizedBlocks
@@ -20,11 +20,7 @@ SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<k>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 
 def _is_gguf(path: Path) -> bool:
-    try:
-        with path.open("rb") as f:
-            return f.read(4) == MAGIC
-    except OSError:
-        return False
+    return read_head(path, 4) == MAGIC
 
 
 def detect(path: Path) -> Detection | None:
