@@ -238,3 +238,19 @@ def test_dcp_object_item_with_code_pickle_is_refused(dcp_seed: Path, tmp_path: P
     with tm.open(folder) as ck:  # opening reads only .metadata
         assert np.array_equal(ck["w"].full(), np.arange(24, dtype=np.float32).reshape(4, 6))
         assert_refused(ck.objects["step"].value, name, marker, payload)
+
+
+def test_dcp_storage_keys_of_one_hash_value_are_refused(dcp_seed: Path, tmp_path: Path) -> None:
+    """`.metadata` whose storage_data names many chunks of one tensor at offsets that share one hash value: the
+    reader's (name, offsets) index would hash them all into one chain (quadratic), so they are counted first."""
+    from test_hostile_pickle_work import LIMIT, colliding_pairs
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    folder = copy_dcp(dcp_seed, tmp_path / "ck")
+    metadata = load_metadata(folder)
+    index, info = next((i, s) for i, s in metadata.storage_data.items() if i.offset is not None)
+    for pair in colliding_pairs(LIMIT + 1):
+        metadata.storage_data[MetadataIndex(index.fqn, torch.Size(pair))] = info
+    save_metadata(folder, metadata)
+    with pytest.raises(HeaderError, match=f"{LIMIT + 1} keys share one hash value"):
+        tm.open(folder)

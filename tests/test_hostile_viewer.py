@@ -63,7 +63,10 @@ def raw_status(app, path: str, headers: list[tuple[bytes, bytes]]) -> int:
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
              "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
              "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8123)}
-    anyio.run(app, scope, receive, send)
+    # in a thread of its own: a test before this one (playwright's sync API) may leave a loop running in this one
+    worker = threading.Thread(target=anyio.run, args=(app, scope, receive, send))
+    worker.start()
+    worker.join(timeout=30)
     return sent[0]["status"]
 
 

@@ -24,8 +24,6 @@ from . import dtypes
 from .errors import BudgetExceededError, CheckpointError, TensorNotFoundError
 from .geometry import byte_runs
 from .storage import MappableStore
-from .tiling import MAX_DIM as MAX_DIM  # re-exported: readers check dimensions against it
-from .tiling import validate_tiling as validate_tiling  # re-exported for the readers that import it from here
 from .units import human_bytes
 
 DEFAULT_READ_BUDGET = 2 * 1024**3

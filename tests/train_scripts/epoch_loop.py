@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, default_collate
 from torch.utils.data.distributed import DistributedSampler
-from train_loop import Synthetic, bits, build_model
+from train_loop import Synthetic, bits, model_optimizer_scheduler
 
 STEPS_PER_EPOCH = 12
 BATCH = 2
@@ -56,18 +56,7 @@ def _training(variant: str, world: int, rank: int):
 
     random.seed(11)
     np.random.seed(12)
-    model = build_model()
-    if world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    model, opt, sched = model_optimizer_scheduler(world)
 
     kind, loader_kind, workers, persistent = VARIANTS[variant]
     data = Synthetic(STEPS_PER_EPOCH * BATCH * world)

@@ -52,6 +52,23 @@ def build_model() -> nn.Module:
                          nn.Dropout(0.3), nn.Linear(32, 4))
 
 
+def model_optimizer_scheduler(world: int):
+    """The model (FSDP2 per linear layer and whole, beyond one rank), AdamW and a warm-up schedule."""
+    model = build_model()
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    return model, opt, sched
+
+
 def bits(x: float) -> str:
     return struct.pack("<f", x).hex()
 
@@ -91,18 +108,7 @@ def main() -> None:
     rank, world = args.rank, args.world
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world)
-    model = build_model()
-    if world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    model, opt, sched = model_optimizer_scheduler(world)
     scaler = torch.amp.GradScaler("cpu") if args.scaler else None
 
     data = Synthetic(args.samples)

@@ -40,6 +40,7 @@ from ..errors import (
     UnsafePickleError,
     UnsupportedError,
 )
+from ..pickle_work import KeyHashes
 from ..storage import ByteStore, LocalFiles, MappableStore
 from ..tiling import validate_tiling
 from ..units import human_bytes
@@ -300,6 +301,7 @@ def _parse(files: ByteStore, metadata_names: list[str], where: str) -> _Parsed:
     records = [_read_metadata(files, name) for name in metadata_names]
     state: dict[str, Any] = {}
     storage: dict[tuple[str, tuple[int, ...] | None], _Item] = {}
+    hashes = KeyHashes(file=where)  # offsets tuples can be made to share one hash: counted before the dict hashes them
     for record in records:
         for fqn, entry in (_attr(record, "state_dict_metadata", where, dict) or {}).items():
             if not isinstance(fqn, str):
@@ -309,8 +311,11 @@ def _parse(files: ByteStore, metadata_names: list[str], where: str) -> _Parsed:
                 previous.chunks = list(previous.chunks) + list(getattr(entry, "chunks", []))  # per-rank metadata files
             else:
                 state[fqn] = entry
-        for index, info in (_attr(record, "storage_data", where, dict) or {}).items():
-            storage[_storage_key(index, where)] = _item(info, files, where)
+        items = [(_storage_key(index, where), info)
+                 for index, info in (_attr(record, "storage_data", where, dict) or {}).items()]
+        hashes.admit((key for key, _ in items), into=storage)
+        for key, info in items:
+            storage[key] = _item(info, files, where)
     return _Parsed(records, state, storage)
 
 

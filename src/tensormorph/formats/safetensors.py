@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import dtypes
-from ..core import MAX_DIM, Checkpoint, Chunk, LogicalTensor, MappedArray
+from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray
 from ..errors import CheckpointError, HeaderError, TruncatedFileError
 from ..storage import ByteStore, LocalFiles, MappableStore, open_regular, parse_json
+from ..tiling import MAX_DIM
 from .contract import Detection, no_checksums
 
 NAME = "safetensors"

@@ -11,10 +11,11 @@ from collections.abc import Callable
 import numpy as np
 
 from ... import dtypes, torchzip
-from ...core import Chunk, LogicalTensor, MappedArray, validate_tiling
+from ...core import Chunk, LogicalTensor, MappedArray
 from ...errors import HeaderError
 from ...geometry import flat_boxes
 from ...storage import MappableStore
+from ...tiling import validate_tiling
 from .pieces import Piece
 
 

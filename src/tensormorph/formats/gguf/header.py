@@ -18,9 +18,9 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ...core import MAX_DIM
 from ...errors import CheckpointError, HeaderError, TruncatedFileError, UnsupportedError
 from ...storage import ByteStore
+from ...tiling import MAX_DIM
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # version 1 stored counts and lengths as u32; llama.cpp dropped it in 2023
