@@ -6,8 +6,9 @@ Cases (medians of RUNS runs, memory prefaulted before each timed step), each 100
   * ZeRO-style flat ranges of a 3-D tensor over 40,000 ranks, each cut into boxes at row edges (not a grid);
   * the grid with one box moved onto its neighbour (an overlap), and with one box removed (a gap).
 Anchor: merely sorting the chunks' offsets (`sorted(c.offsets for c in chunks)`), timed in the same run: a
-lower bound for any check that orders the chunks. The ratio is validate_tiling's time over the sort's. Before
-issue 14 the check compared pairs: 2,500 chunks took 4.9 s, 10,000 over 60 s.
+lower bound for any check that orders the chunks. The ratio is the sort's time over validate_tiling's, as in
+every row of the README table (higher is better). Before issue 14 the check compared pairs: 2,500 chunks took
+4.9 s, 10,000 over 60 s.
 """
 
 from __future__ import annotations
@@ -75,19 +76,19 @@ def main() -> None:
         assert outcome == expected, (key, outcome)
         ours = summary(timed(check))
         anchor = summary(timed(lambda chunks=chunks: sorted(c.offsets for c in chunks)))
-        ratio = ours["median"] / anchor["median"]
+        ratio = anchor["median"] / ours["median"]
         cases[key] = {"label": label, "chunks": len(chunks), "shape": list(shape), "outcome": outcome,
                       "tensormorph_s": ours, "anchor_sort_s": anchor, "ratio_to_sort": ratio}
         print(f"{label}: {len(chunks):,} chunks, {outcome}, {fmt_s(ours['median'])} "
-              f"(sorting the offsets: {fmt_s(anchor['median'])}, {ratio:.1f}x)", flush=True)
+              f"(sorting the offsets: {fmt_s(anchor['median'])}, {ratio:.3f}x)", flush=True)
         met = ours["median"] < TARGET_S
         table.append([label, f"{len(chunks):,}", outcome, fmt_s(ours["median"]), fmt_s(anchor["median"]),
-                      f"{ratio:.1f}x", "yes" if met else "NO"])
+                      f"{ratio:.3f}x", "yes" if met else "NO"])
         rows.append(row("validate that ~100,000 chunks tile a tensor", label, tensormorph=fmt_s(ours["median"]),
                         anchor=f"sorting the chunk offsets: {fmt_s(anchor['median'])}", ratio=ratio,
-                        target=f"< {TARGET_S:g} s", met=met, note="ratio = validate_tiling / sort (lower is better)"))
+                        target=f"< {TARGET_S:g} s", met=met))
     print()
-    print_table(["case", "chunks", "outcome", "validate_tiling", "sort offsets", "validate/sort", "< 1 s"], table)
+    print_table(["case", "chunks", "outcome", "validate_tiling", "sort offsets", "sort/validate", "< 1 s"], table)
     write_result(NAME, {
         "title": "Validate that 100,000 chunks tile a tensor",
         "runs": RUNS,
