@@ -3,8 +3,10 @@ named many times, overlapping items and zip records (issue 14, defects 5, 7 and 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
+import pickle
 import struct
 import warnings
 import zipfile
@@ -42,6 +44,9 @@ from tensormorph.errors import (
     UnsupportedError,
 )
 from tensormorph.formats import dcp as dcp_format
+from tensormorph.formats.deepspeed import states as deepspeed_states
+from tensormorph.formats.deepspeed import tensors as deepspeed_tensors
+from tensormorph.storage import LocalFiles
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -345,3 +350,135 @@ def test_a_compressed_items_bound_follows_the_checkpoints_read_budget(dcp_zstd_c
     with pytest.raises(BudgetExceededError, match="decompressing this zstd item"):
         small[name].read((slice(0, 1),), budget=nbytes)  # the slice fits; the item it lives in does not
     assert np.array_equal(tm.open(dcp_zstd_ckpt, read_budget=nbytes)[name][...], expected)
+
+
+# ---------------------------------------------------------------------------
+# tensor geometry, rebuild calls and storage reuse declared by a torch.save pickle
+# ---------------------------------------------------------------------------
+
+
+class _Storage:
+    """Pickled as a persistent storage record, as torch.save writes one."""
+
+    def __init__(self, key: str, numel: int):
+        self.key, self.numel = key, numel
+
+
+class _Call:
+    """Pickled as a call of `func` on `args` (a REDUCE), whatever func is."""
+
+    def __init__(self, func: Any, *args: Any):
+        self.func, self.args = func, args
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return self.func, self.args
+
+
+class _TorchPickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        return ("storage", torch.FloatStorage, obj.key, "cpu", obj.numel) if isinstance(obj, _Storage) else None
+
+
+def forged_archive(tree: Any, storages: dict[str, bytes]) -> bytes:
+    """A torch.save-shaped archive of `tree`, whose _Call and _Storage leaves pickle as torch's would."""
+    buffer = io.BytesIO()
+    _TorchPickler(buffer, protocol=4).dump(tree)
+    return torch_zip(buffer.getvalue(), storages)
+
+
+def tensor_call(storage: _Storage, offset: Any, size: Any, stride: Any) -> _Call:
+    return _Call(torch._utils._rebuild_tensor_v2, storage, offset, size, stride, False, collections.OrderedDict())
+
+
+def loaded_in_child(path: Path, seconds: float = 2) -> tuple[str, str] | None:
+    code = (f"from tensormorph import torchzip\nblob = memoryview(open({str(path)!r}, 'rb').read())\n# measure\n"
+            f"torchzip.load(blob, file={path.name!r})\n")
+    return run_bounded(code, seconds=seconds, grown_mib=100)
+
+
+GEOMETRY = {  # the review's reproducers: byte_span took 14 s on 50,000 dimensions; a 5,000-digit offset crashed
+    "50k dimensions": ((0, (1,) * 50_000, (1,) * 50_000), "tensor size has 50000 dimensions; at most 64"),
+    "huge offset": ((10**5000, (1,), (1,)), "tensor storage offset must be an integer in [0, 2**63), found "
+                                            "<16610-bit integer>"),
+    "huge dimension": ((0, (2, 10**5000), (1, 1)), "tensor size must be a list of integers in [0, 2**62), found "
+                                                   "[2, <16610-bit integer>]"),
+    "negative stride": ((0, (2,), (-1,)), "tensor stride must be a list of integers in [0, 2**62), found [-1]"),
+}
+
+
+@pytest.mark.parametrize("case", list(GEOMETRY))
+def test_torch_tensor_geometry_beyond_the_bounds_is_a_header_error(tmp_path: Path, case: str) -> None:
+    (offset, size, stride), message = GEOMETRY[case]
+    path = tmp_path / "model.bin"
+    path.write_bytes(forged_archive({"w": tensor_call(_Storage("0", 4), offset, size, stride)}, {"0": bytes(16)}))
+    error = loaded_in_child(path)
+    assert error is not None and error[0] == "HeaderError" and message in error[1], error
+    assert error[1].startswith("model.bin: ")
+
+
+def test_torch_storage_of_a_huge_element_count_is_a_header_error(tmp_path: Path) -> None:
+    path = tmp_path / "model.bin"
+    path.write_bytes(forged_archive({"w": tensor_call(_Storage("0", 10**5000), 0, (1,), (1,))}, {"0": bytes(4)}))
+    error = loaded_in_child(path)
+    assert error is not None and error[0] == "HeaderError", error
+    assert "element count of storage '0' must be an integer in [0, 2**63), found <16610-bit integer>" in error[1]
+
+
+def test_rebuild_from_type_v2_calls_only_a_tensor_rebuild(tmp_path: Path) -> None:
+    """_rebuild_from_type_v2(set, Tensor, ([colliding ints],), None) built a set of 8,000 keys of one hash value
+    (quadratic), past the unpickler's own hash-collision check; torch passes it nothing but a tensor rebuild."""
+    from test_hostile_pickle_work import colliding_ints
+
+    path = tmp_path / "model.bin"
+    call = _Call(torch._tensor._rebuild_from_type_v2, set, torch.Tensor, (colliding_ints(8_000),), None)
+    path.write_bytes(forged_archive({"w": call}, {}))
+    error = loaded_in_child(path, seconds=1)
+    assert error == ("UnsafePickleError", "model.bin: _rebuild_from_type_v2 calls 'set', not a tensor rebuild "
+                                          "function"), error
+    ordinary = tmp_path / "ordinary.bin"  # what torch.save writes for a tensor subclass: still read
+    inner = tensor_call(_Storage("0", 4), 0, (4,), (1,))
+    call = _Call(torch._tensor._rebuild_from_type_v2, inner.func, torch.Tensor, inner.args, {})
+    ordinary.write_bytes(forged_archive({"w": call}, {"0": np.arange(4, dtype=np.float32).tobytes()}))
+    assert torchzip.load(memoryview(ordinary.read_bytes()), file="ordinary.bin")["w"].shape == (4,)
+
+
+def test_one_storage_rebuilt_too_many_times_is_refused_by_every_loader(tmp_path: Path) -> None:
+    """Reuse was counted only by the torch reader's names: a DeepSpeed states file (or any torchzip.load) naming a
+    1 MiB storage 1,000 times declared 1 GB. Now each rebuild is charged as it is made."""
+    storage = _Storage("0", 1 << 18)  # 1 MiB of float32
+    tree = {"module": {f"layer.{i}.weight": tensor_call(storage, 0, (1 << 18,), (1,)) for i in range(1000)}}
+    blob = forged_archive(tree, {"0": bytes(1 << 20)})
+    with pytest.raises(UnsupportedError, match="one storage is named too many times") as info:
+        torchzip.load(memoryview(blob), file="mp_rank_00_model_states.pt")
+    assert info.value.file == "mp_rank_00_model_states.pt"
+    (tmp_path / "mp_rank_00_model_states.pt").write_bytes(blob)
+    with pytest.raises(UnsupportedError, match="one storage is named too many times"):
+        deepspeed_states.read_model_states(LocalFiles(tmp_path), "mp_rank_00_model_states.pt")
+
+
+def test_one_tensor_under_too_many_module_names_is_refused_by_the_deepspeed_reader(tmp_path: Path) -> None:
+    """One pickled tensor (memoised: rebuilt once) under 1,000 module names: the reader made 1,000 tensors of it."""
+    shared = torch.zeros(1 << 18)  # 1 MiB
+    torch.save({"module": {f"layer.{i}.weight": shared for i in range(1000)}, "buffer_names": [], "param_shapes": []},
+               tmp_path / "mp_rank_00_model_states.pt")
+    files = LocalFiles(tmp_path)
+    model = deepspeed_states.read_model_states(files, "mp_rank_00_model_states.pt")
+    with pytest.raises(UnsupportedError, match="one storage is named too many times") as info:
+        deepspeed_tensors.module_tensors(files, model)
+    assert info.value.tensor is not None and info.value.tensor.startswith("layer.")
+    tied = {"module": {"a": shared, "b": shared, "c": shared}, "buffer_names": [], "param_shapes": []}
+    (tmp_path / "tied").mkdir()  # a new file: the first one stays mapped
+    torch.save(tied, tmp_path / "tied" / "mp_rank_00_model_states.pt")  # tied weights: still read
+    files = LocalFiles(tmp_path / "tied")
+    model = deepspeed_states.read_model_states(files, "mp_rank_00_model_states.pt")
+    assert set(deepspeed_tensors.module_tensors(files, model)) == {"module.a", "module.b", "module.c"}
+
+
+@pytest.mark.parametrize("shape", [[10**5000, 2], [1] * 65, [-1], "ab"])
+def test_deepspeed_declared_shapes_are_bounded_before_any_arithmetic(shape: Any) -> None:
+    from tensormorph.formats.deepspeed.states import _shapes
+
+    with pytest.raises(HeaderError) as info:
+        _shapes({"w": shape}, "mp_rank_00_model_states.pt")
+    assert "mp_rank_00_model_states.pt" in str(info.value) and "'w'" in str(info.value)
+    assert len(str(info.value)) < 400  # a 5,000-digit size is named by its bit length, not printed

@@ -13,11 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.numpy
-from hostile_support import run_bounded
+from click.testing import CliRunner
+from hostile_support import copy_dcp, load_metadata, run_bounded, save_metadata
 
-from tensormorph.errors import MissingFileError
+import tensormorph as tm
+from tensormorph.cli import main
+from tensormorph.errors import HeaderError, MissingFileError
 from tensormorph.formats import gguf
 from tensormorph.formats.hf_sharded import MAX_INDEX_BYTES, MAX_INDEX_FILES
+from tensormorph.shapes import MAX_DIMS, check_offset, check_shape, describe
 from tensormorph.storage import MAX_JSON_VALUES, LocalFiles
 from tensormorph.storage.local import read_capped
 
@@ -257,3 +261,104 @@ def test_local_files_read_only_regular_files(tmp_path: Path, name: str, kind: st
     with pytest.raises(MissingFileError, match=f"is {kind}, not a regular file") as info:
         calls[read]()
     assert info.value.file == files.describe(name)
+
+
+# ---------------------------------------------------------------------------
+# declared shapes and offsets: a bounded number of dimensions, each a bounded integer, checked before arithmetic
+# ---------------------------------------------------------------------------
+
+
+def safetensors_of_shape(path: Path, shape_json: bytes) -> Path:
+    """A safetensors file whose one tensor declares `shape_json` and holds no data."""
+    write_safetensors_header(path, b'{"w":{"dtype":"F32","shape":', shape_json, b',"data_offsets":[0,0]}}')
+    return path
+
+
+def test_safetensors_300_huge_dimensions_are_one_header_error(tmp_path: Path) -> None:
+    """[2**61] * 300 (6 KB) made a 5,500-digit product, which the error message could not even format (exit 1)."""
+    path = safetensors_of_shape(tmp_path / "model.safetensors", json.dumps([2**61] * 300).encode())
+    error = opened_in_child(path, "safetensors", seconds=2, grown_mib=50)
+    assert error == ("HeaderError", f"{path}: tensor 'w': shape has 300 dimensions; at most {MAX_DIMS} are allowed")
+    result = CliRunner().invoke(main, ["inspect", str(path)], catch_exceptions=True)
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and error[1] in lines[0] and "Traceback" not in result.output, result.output
+
+
+def test_safetensors_100k_dimensions_are_refused_at_once(tmp_path: Path) -> None:
+    """A 2 MB header of 100,000 dimensions took 25 s to multiply out."""
+    path = safetensors_of_shape(tmp_path / "model.safetensors", b"[" + b"3," * 99_999 + b"3]")
+    error = opened_in_child(path, "safetensors", seconds=2, grown_mib=100)
+    assert error is not None and error[0] == "HeaderError" and "shape has 100000 dimensions" in error[1], error
+
+
+@pytest.mark.parametrize("shape, message", [
+    ([2**61] * 2, "holds 2**64 or more elements"),  # the reference library's checked_mul overflows too
+    ([2**62], "shape must be a list of integers in [0, 2**62), found [4611686018427387904]"),
+    ([2] * 65, "shape has 65 dimensions"),
+])
+def test_safetensors_shapes_beyond_the_bounds_are_header_errors(tmp_path: Path, shape: list[int],
+                                                                message: str) -> None:
+    path = safetensors_of_shape(tmp_path / "model.safetensors", json.dumps(shape).encode())
+    with pytest.raises(HeaderError) as info:
+        tm.open(path, "safetensors")
+    assert message in str(info.value) and info.value.tensor == "w" and info.value.file == str(path)
+    assert "\n" not in str(info.value)
+
+
+def test_safetensors_64_dimensions_of_size_1_still_open(tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    safetensors.numpy.save_file({"w": np.arange(3, dtype=np.float32).reshape((1,) * 63 + (3,))}, str(path))
+    with tm.open(path) as ck:
+        assert ck["w"].shape == (1,) * 63 + (3,) and ck["w"].full().ravel().tolist() == [0, 1, 2]
+
+
+def test_a_huge_integer_in_a_message_shows_its_bit_length() -> None:
+    assert describe(10**5000) == "<16610-bit integer>" and describe(-(2**70)) == "<-71-bit integer>"
+    with pytest.raises(HeaderError, match=r"found <16610-bit integer>"):
+        check_offset(10**5000, file="f", tensor="t", what="storage offset")
+    with pytest.raises(HeaderError, match=r"found \[2, <16610-bit integer>\]"):
+        check_shape([2, 10**5000], file="f", tensor="t")
+
+
+def _set(record: object, field: str, value: object) -> None:
+    object.__setattr__(record, field, value)  # torch's metadata dataclasses may be frozen
+
+
+DCP_HUGE = {  # the review's reproducers: each made a 5,000-digit integer that a message could not format
+    "chunk size": ("chunk sizes must be a list of integers in [0, 2**62), found [<16610-bit integer>, 6]",
+                   lambda entry, item: _set(entry.chunks[0], "sizes", (10**5000, 6))),
+    "tensor size": ("size has 70 dimensions; at most 64",
+                    lambda entry, item: _set(entry, "size", (1,) * 70)),
+    "chunk offsets": ("chunk offsets must be a list of integers in [0, 2**62), found [<16610-bit integer>, 0]",
+                      lambda entry, item: _set(entry.chunks[0], "offsets", (10**5000, 0))),
+    "storage offset": ("storage offset must be an integer in [0, 2**63), found <16610-bit integer>",
+                       lambda entry, item: _set(item, "offset", 10**5000)),
+    "storage length": ("storage length must be an integer in [0, 2**63), found -1",
+                       lambda entry, item: _set(item, "length", -1)),
+}
+
+
+@pytest.mark.parametrize("case", list(DCP_HUGE))
+def test_dcp_huge_sizes_and_offsets_are_one_line_header_errors(dcp_seed: Path, tmp_path: Path, case: str) -> None:
+    message, forge = DCP_HUGE[case]
+    folder = copy_dcp(dcp_seed, tmp_path / "ckpt")
+    metadata = load_metadata(folder)
+    key = next(k for k in metadata.storage_data if k.fqn == "w")
+    forge(metadata.state_dict_metadata["w"], metadata.storage_data[key])
+    save_metadata(folder, metadata)
+    error = run_bounded(f"import tensormorph as tm\n# measure\ntm.open({str(folder)!r})\n", seconds=2, grown_mib=50)
+    assert error is not None and error[0] == "HeaderError" and message in error[1], error
+    assert "tensor 'w'" in error[1] and ".metadata" in error[1] and "\n" not in error[1]
+
+
+def test_stats_names_a_huge_size_by_its_exponent() -> None:
+    """check_scannable formatted 1e... with str() of the whole integer: quadratic in its digits."""
+    from types import SimpleNamespace
+
+    from tensormorph.errors import BudgetExceededError
+    from tensormorph.ops.stats import check_scannable
+
+    tensor = SimpleNamespace(nbytes=4 * 2**(62 * 64), shape=(2**62,) * 64, dtype="F32", files=("f",), name="w")
+    with pytest.raises(BudgetExceededError, match=r"about 1e1195 bytes: too large to scan"):
+        check_scannable(tensor)  # type: ignore[arg-type]

@@ -31,9 +31,26 @@ from hypothesis import strategies as st
 import tensormorph as tm
 from tensormorph.cli import main
 from tensormorph.core import Checkpoint, Chunk
-from tensormorph.errors import CheckpointError, ChecksumError, ChunkLayoutError, HeaderError, TensorNotFoundError
+from tensormorph.errors import (
+    CheckpointError,
+    ChecksumError,
+    ChunkLayoutError,
+    HeaderError,
+    TensorNotFoundError,
+    UnsupportedError,
+)
 from tensormorph.tiling import LayoutOnly, validate_tiling
-from tensormorph.tmformat.manifest import MANIFEST, MAX_MANIFEST_BYTES, MAX_MANIFEST_VALUES, parse
+from tensormorph.tmformat import manifest as manifest_module
+from tensormorph.tmformat.manifest import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_VALUES,
+    ChunkRecord,
+    FileRecord,
+    Manifest,
+    TensorRecord,
+    parse,
+)
 from tensormorph.tmformat.parity import MAX_COPIES, MAX_PARITY, MAX_SEGMENT
 
 pytestmark = pytest.mark.timeout(300)
@@ -115,6 +132,100 @@ def test_100k_replicas_of_one_box_merge_in_linear_time() -> None:
     assert len(merged) == 1 and merged[0].ranks == tuple(range(100_000))
     """
     assert bounded(LAYOUTS, measured, seconds=5, grown_mib=200) is None
+
+
+XXPRIME_1, XXPRIME_2, XXPRIME_5, MASK_64 = 11400714785074694791, 14029467366897019727, 2870177450012600261, 2**64 - 1
+INVERSE_1, INVERSE_2 = pow(XXPRIME_1, -1, 2**64), pow(XXPRIME_2, -1, 2**64)
+
+
+def _step(acc: int, item: Any) -> int:
+    """One item's round of CPython's tuple hash (Objects/tupleobject.c): rotl(acc + hash(item) * P2, 31) * P1."""
+    acc = (acc + (hash(item) & MASK_64) * XXPRIME_2) & MASK_64
+    return ((acc << 31 | acc >> 33) & MASK_64) * XXPRIME_1 & MASK_64
+
+
+def _unstep(before: int, after: int) -> int:
+    """The hash an item must have for its round to take the accumulator from `before` to `after`."""
+    after = after * INVERSE_1 & MASK_64
+    return (((after >> 31 | after << 33) & MASK_64) - before) * INVERSE_2 & MASK_64
+
+
+def colliding_boxes(n: int, shared: int = 0x5DEECE66D) -> list[Box]:
+    """n empty boxes ((i, 0), (0, b)) whose (offsets, shape) tuples all hash alike, as a hostile DCP .metadata may
+    declare them (see colliding_pairs in test_hostile_pickle_work.py): b solved through both levels of the tuple
+    hash; about one i in eight gets a b below 2**61 - 1 (whose hash is b itself)."""
+    inner, length = _step(XXPRIME_5, 0), 2 ^ XXPRIME_5 ^ 3527539  # (0, b) after its 0; a 2-tuple's final term
+    boxes: list[Box] = []
+    i = 0
+    while len(boxes) < n:
+        wanted = _unstep(_step(XXPRIME_5, (i, 0)), shared)  # the hash (0, b) needs
+        b = _unstep(inner, (wanted - length) & MASK_64)
+        if wanted != MASK_64 and b < 2**61 - 1:  # no hash is -1
+            boxes.append(((i, 0), (0, b)))
+        i += 1
+    assert len({hash(box) for box in boxes[:100]}) == 1
+    return boxes
+
+
+def colliding_intervals(n: int, shared: int = 0x5DEECE66D) -> list[tuple[int, int]]:
+    """n intervals (start, size) whose tuples all hash alike (colliding_pairs of test_hostile_pickle_work.py)."""
+    pairs: list[tuple[int, int]] = []
+    start = 0
+    while len(pairs) < n:
+        size = _unstep(_step(XXPRIME_5, start), shared)
+        if size < 2**61 - 1:
+            pairs.append((start, size))
+        start += 1
+    assert len({hash(pair) for pair in pairs[:100]}) == 1
+    return pairs
+
+
+@pytest.mark.parametrize("kind", ["replicas", "intervals"])
+def test_boxes_of_one_hash_are_checked_in_bounded_time(tmp_path: Path, kind: str) -> None:
+    """20,000 boxes whose tuples share one hash (a dict of them took 6 s): deduplicated and grouped by sorting.
+    Empty boxes beside one box holding the whole tensor (valid), or non-empty ones of intervals of one hash."""
+    if kind == "replicas":
+        boxes = colliding_boxes(20_000)
+        rows, columns = boxes[-1][0][0] + 1, 2**61
+        boxes.append(((0, 0), (rows, columns)))
+        measured = f"assert len(validate_tiling('w', ({rows}, {columns}), chunks_of(boxes))) == 20_001"
+    else:  # intervals on dimension 0: they overlap, but the distinct intervals are found first
+        boxes = [((start, 0), (size, 1)) for start, size in colliding_intervals(20_000)]
+        measured = f"validate_tiling('w', ({2**61 + 200_000}, 1), chunks_of(boxes))"
+    (tmp_path / "boxes.json").write_text(json.dumps(boxes))
+    setup = f"""
+    import json
+    from tensormorph.core import Chunk
+    from tensormorph.tiling import LayoutOnly, validate_tiling
+    def chunks_of(boxes):
+        return [Chunk(o, s, f"rank-{{i:06d}}", None, LayoutOnly(), (i,)) for i, (o, s) in enumerate(boxes)]
+    boxes = [(tuple(o), tuple(s)) for o, s in json.loads(open({str(tmp_path / "boxes.json")!r}).read())]
+    """
+    outcome = bounded(setup, measured, seconds=3, grown_mib=200)
+    if kind == "replicas":
+        assert outcome is None, outcome
+    else:
+        assert outcome is not None and outcome[0] == "ChunkLayoutError" and "overlap" in outcome[1], outcome
+
+
+IRREGULAR = """
+from tensormorph.core import Chunk
+from tensormorph.tiling import LayoutOnly, validate_tiling
+
+def nested(n):  # boxes nested on two dimensions, told apart by a third, and one that stops a split: n^2/2 pairs
+    boxes = [((0, 0, i), (n - i, n - i, 1)) for i in range(n)] + [((n, 0, 0), (1, 1, n))]
+    return [Chunk(o, s, f"rank-{i:06d}", None, LayoutOnly(), (i,)) for i, (o, s) in enumerate(boxes)], (n + 1, n, n)
+"""
+
+
+@pytest.mark.parametrize("n", [4000, 100_000])
+def test_irregular_layouts_are_refused_in_bounded_time(n: int) -> None:
+    """A layout the sweep cannot check in O(n log n) (4,000 chunks took 5.3 s) is refused, naming tensor and file."""
+    outcome = bounded(IRREGULAR + f"chunks, shape = nested({n})\n",
+                      "validate_tiling('w', shape, chunks, file='ck/.metadata')", seconds=3, grown_mib=300)
+    assert outcome is not None and outcome[0] == "ChunkLayoutError", outcome
+    assert outcome[1].startswith(f"ck/.metadata: tensor 'w': the layout of {n + 1} chunks is too irregular to "
+                                 "check: no dimension splits them and looking for overlaps took over"), outcome
 
 
 def _covered(shape: tuple[int, ...], box: Box) -> set[tuple[int, ...]]:
@@ -248,7 +359,8 @@ def test_manifest_over_the_size_limit_is_refused_unread(tmp_path: Path) -> None:
 
 def test_manifest_values_cost_bounded_memory(tmp_path: Path) -> None:
     """The costliest values a manifest may hold (small dicts among its objects, decoded once more) cost ~140 bytes
-    each: 1 M of them stay under 250 MiB, so the MAX_MANIFEST_VALUES of the largest allowed stay near 1.1 GiB."""
+    each: 1 M of them stay under 250 MiB, so the MAX_MANIFEST_VALUES (16.8 M) of the largest allowed stay near 2.1 GiB
+    (measured once: 2.1 GiB, 2.6 GiB with a 465 MB string besides)."""
     (tmp_path / MANIFEST).write_bytes(manifest_bytes(body_with(objects={"o": [{"a": 0}] * ((1 << 20) // 3)})))
     setup = f"""
     from pathlib import Path
@@ -259,6 +371,27 @@ def test_manifest_values_cost_bounded_memory(tmp_path: Path) -> None:
     assert len(parse(raw, "manifest.json").objects["o"]) == (1 << 20) // 3
     """
     assert bounded(setup, measured, seconds=15, grown_mib=250) is None
+
+
+def test_a_manifest_over_the_limits_is_refused_before_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save whose manifest readers would refuse fails before committing (resume once passed over it as
+    damaged). Counted on the bytes the writer commits; the limit is lowered so the manifest stays small."""
+    chunks = tuple(ChunkRecord("rank-00000.safetensors", (r,), (1,), (4 * r, 4 * r + 4),
+                               np.zeros(1, np.uint32), 0) for r in range(1000))
+    manifest = Manifest({"w": TensorRecord("F32", (1000,), chunks)}, {}, {"rank-00000.safetensors":
+                                                                         FileRecord(4000, 0, 0)}, 1)
+    raw = manifest.to_bytes()
+    values = sum(raw.count(c) for c in b",[{:")
+    assert values > 20_000  # ~23 a chunk
+    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_VALUES", values - 1)
+    with pytest.raises(UnsupportedError) as info:
+        manifest.to_bytes()
+    assert str(info.value) == (
+        f"{MANIFEST}: the checkpoint has too many chunks for one manifest: 1000 chunks make "
+        f"{len(raw)} bytes and about {values} JSON values, over the limits of "
+        f"{MAX_MANIFEST_BYTES} bytes and {values - 1} values (save fewer, larger shards)")
+    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_VALUES", values)
+    assert parse(manifest.to_bytes(), MANIFEST).tensors["w"].chunks[999].offsets == (999,)
 
 
 @pytest.mark.parametrize("scheme, message", [

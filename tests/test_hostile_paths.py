@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hostile_support import (
     SHARD1,
@@ -103,3 +104,74 @@ def test_megatron_detection_reads_no_metadata_json_linked_out_of_the_folder(dcp_
     (folder / "metadata.json").unlink()
     (folder / "metadata.json").write_text(outside.read_text())
     assert tm.detect(folder) == "megatron-torch-dist"
+
+
+def test_a_file_swapped_for_a_link_after_opening_is_not_followed(tmp_path: Path) -> None:
+    """A long-lived reader (the viewer, convert) resolved and checked each name when it opened the checkpoint; a
+    file replaced by a link afterwards must not lead its reads outside the folder."""
+    import safetensors.numpy
+
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    safetensors.numpy.save_file({"w": np.arange(6, dtype=np.float32)}, str(folder / "model.safetensors"))
+    outside = tmp_path / "outside.safetensors"
+    safetensors.numpy.save_file({"w": np.full(6, 7, dtype=np.float32)}, str(outside))
+    checkpoint = tm.open(folder)
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").symlink_to(outside)
+    with pytest.raises(UnsafePathError, match="became a link after the checkpoint was opened"):
+        checkpoint["w"][...]
+
+
+def test_an_unreadable_file_of_one_format_does_not_stop_detecting_another(tmp_path: Path) -> None:
+    import safetensors.numpy
+
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    safetensors.numpy.save_file({"w": np.arange(6, dtype=np.float32)}, str(folder / "model.safetensors"))
+    (folder / "manifest.json").symlink_to("manifest.json")  # a loop of links: unreadable, so not our format
+    assert tm.detect(folder) == "safetensors"
+    assert np.array_equal(tm.open(folder)["w"][...], np.arange(6, dtype=np.float32))
+
+
+def _hub_cache(base: Path) -> Path:
+    """A revision of the Hugging Face hub cache, laid out as huggingface_hub lays it out (checked below with its
+    own scan_cache_dir): snapshots/<rev>/<file> are relative links to blobs/<hash>."""
+    import hashlib
+
+    import safetensors.numpy
+
+    repo = base / "hub" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    scratch = base / "scratch.safetensors"
+    safetensors.numpy.save_file({"w": np.arange(6, dtype=np.float32)}, str(scratch))
+    digest = hashlib.sha256(scratch.read_bytes()).hexdigest()
+    scratch.rename(repo / "blobs" / digest)
+    (snapshot / "model.safetensors").symlink_to(f"../../blobs/{digest}")
+    return snapshot
+
+
+def test_a_hugging_face_cache_revision_opens_through_its_blob_links(tmp_path: Path) -> None:
+    from huggingface_hub import scan_cache_dir
+
+    snapshot = _hub_cache(tmp_path)
+    (repo,) = scan_cache_dir(tmp_path / "hub").repos
+    assert repo.repo_id == "org/tiny"
+    assert [f.file_name for r in repo.revisions for f in r.files] == ["model.safetensors"]
+    for path in (snapshot, snapshot / "model.safetensors"):
+        assert np.array_equal(tm.open(path)["w"][...], np.arange(6, dtype=np.float32))
+
+
+def test_a_hugging_face_cache_revision_still_confines_other_links(tmp_path: Path) -> None:
+    snapshot = _hub_cache(tmp_path)
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes((snapshot / "model.safetensors").read_bytes())
+    (snapshot / "model.safetensors").unlink()  # a link out of the repo instead of into its blobs
+    (snapshot / "model.safetensors").symlink_to(outside)
+    with pytest.raises(UnsafePathError, match="resolves outside the checkpoint folder"):
+        tm.open(snapshot / "model.safetensors")["w"][...]

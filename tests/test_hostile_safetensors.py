@@ -137,7 +137,8 @@ class Pairs(list):
 
 def stricter_than_reference(text: bytes) -> bool:
     """Headers the reference reads but we refuse on purpose: a tensor named twice (the library keeps the last),
-    an entry spelt as a list of its fields, a dimension of 2**62 or more (numpy cannot shape it), a dtype numpy
+    an entry spelt as a list of its fields, more than 64 dimensions or one of 2**62 or more (numpy cannot shape
+it), a dtype numpy
     cannot hold (F4, F6_E2M3, F6_E3M2)."""
     pairs = json.loads(text, object_pairs_hook=Pairs)
     names = [name for name, _ in pairs if name != "__metadata__"]
@@ -149,7 +150,8 @@ def stricter_than_reference(text: bytes) -> bool:
         if not isinstance(entry, Pairs):
             return True
         fields = dict(entry)
-        if fields["dtype"] not in NUMPY_DTYPES or any(d >= 2**62 for d in fields["shape"]):
+        if (fields["dtype"] not in NUMPY_DTYPES or len(fields["shape"]) > 64
+                or any(d >= 2**62 for d in fields["shape"])):
             return True
     return False
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import difflib
 import math
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -309,11 +310,16 @@ class Checkpoint(Mapping[str, LogicalTensor]):
     files: tuple[str, ...] = ()  # data files, relative to the checkpoint folder
     storage: MappableStore | None = field(default=None, repr=False)  # every reader opens a checkpoint on one
 
+    @cached_property
+    def _name_orders(self) -> tuple[list[str], list[str]]:
+        """The tensor names sorted, and their reversals sorted: built on the first miss, for suggestions."""
+        return sorted(self.tensors), sorted(n[::-1] for n in self.tensors)
+
     def __getitem__(self, name: str) -> LogicalTensor:
         try:
             return self.tensors[name]
         except KeyError:
-            near = near_names(name, self.tensors) if isinstance(name, str) else []
+            near = near_names(name, *self._name_orders) if isinstance(name, str) else []
             hint = f"; did you mean {' or '.join(near)}?" if near else ""
             raise TensorNotFoundError(f"no such tensor in the checkpoint{hint}", file=str(self.path),
                                       tensor=name) from None
@@ -358,17 +364,15 @@ class Checkpoint(Mapping[str, LogicalTensor]):
         return f"<Checkpoint {self.format} {str(self.path)!r}: {len(self.tensors)} tensors, {human_bytes(self.nbytes)}>"
 
 
-def near_names(name: str, names: Iterable[str], count: int = 3) -> list[str]:
+def near_names(name: str, forward: list[str], backward: list[str], count: int = 3) -> list[str]:
     """The names most like a mistyped `name` (difflib's best ratio, at least 0.6, and any tied with it), as git
-    suggests.
+    suggests, among the names `forward` (sorted) whose reversals are `backward` (sorted).
 
     A typo leaves the text before it or after it intact, so the candidates are the names next to `name` in
     sorted order and next to it in the sorted order of reversed names: SUGGESTION_POOL of each, on either side.
     """
-    pool = list(names)
+    pool = forward
     if len(pool) > 4 * SUGGESTION_POOL:
-        forward = sorted(pool)
-        backward = sorted(n[::-1] for n in pool)
         pool = _around(name, forward) + [n[::-1] for n in _around(name[::-1], backward)]
     matches = difflib.get_close_matches(name, list(dict.fromkeys(pool)), n=count, cutoff=0.6)
     score = [difflib.SequenceMatcher(None, name, match).ratio() for match in matches]

@@ -1,4 +1,4 @@
-"""Checking that a tensor's chunks tile it exactly, in O(n log n) for n chunks (linear for grids).
+"""Checking that a tensor's chunks tile it exactly, in O(n log n) for n chunks.
 
 Every reader of a placement-sharded format checks its tensors' layouts, and a tensor sharded over
 thousands of ranks has thousands of chunks, so the check never compares every pair of chunks:
@@ -21,8 +21,14 @@ Overlap detection, over the non-empty boxes:
   swept. With at most two left this is exact and O(n log n): the active boxes overlap on the sweep
   dimension, so they are disjoint on the second, and only the neighbour of a new box can reach it. With
   three or more, a new box is compared with every active box whose interval on the second dimension can
-  reach its own: O(n log n) when few do, O(n^2) in the worst case (many active boxes sharing their
-  intervals on both swept dimensions, told apart only by a third).
+  reach its own: few in real layouts, but n^2/2 in the worst case (many active boxes sharing their
+  intervals on both swept dimensions, told apart only by a third). So the comparisons are counted, and past
+  SWEEP_FACTOR * n * log2(n) (at least SWEEP_FLOOR) the layout is refused as too irregular to check: the
+  check stays O(n log n) whatever the file, and no layout of a few hundred boxes is ever refused.
+
+Boxes and intervals are deduplicated and grouped by sorting, never by hashing: a file chooses its offsets
+and shapes, hence the hashes of their tuples (CPython's tuple hash can be inverted), and a dict of n keys of
+one hash takes O(n^2).
 """
 
 from __future__ import annotations
@@ -36,12 +42,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .errors import ChunkLayoutError
+from .shapes import MAX_DIM
 
 if TYPE_CHECKING:
     from .core import Chunk
 
-MAX_DIM = 2**62
-"""Dimensions at or above this are rejected as corrupt: no real tensor is that large, and numpy cannot index it."""
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)
 
@@ -63,8 +68,6 @@ def validate_tiling(name: str, shape: tuple[int, ...], chunks: list[Chunk], *, f
         raise ChunkLayoutError(f"shape {shape} has a dimension outside [0, 2**62)", file=file, tensor=name)
     if len(chunks) == 1 and chunks[0].shape == shape and not any(chunks[0].offsets):
         return chunks  # one chunk holding the whole tensor: the common case, checked cheaply
-    unique: dict[Box, Chunk] = {}
-    merged_ranks: dict[Box, dict[int, None]] = {}  # replicas' ranks, joined once at the end: linear in replicas
     for chunk in chunks:
         if len(chunk.offsets) != len(shape) or len(chunk.shape) != len(shape):
             raise ChunkLayoutError(
@@ -77,17 +80,21 @@ def validate_tiling(name: str, shape: tuple[int, ...], chunks: list[Chunk], *, f
                     f"chunk at offsets {chunk.offsets} with shape {chunk.shape} lies outside the tensor's "
                     f"shape {shape}",
                     file=chunk.file or file, tensor=name)
-        key = (chunk.offsets, chunk.shape)
-        kept = unique.setdefault(key, chunk)
-        if kept is not chunk:
-            merged_ranks.setdefault(key, dict.fromkeys(kept.ranks)).update(dict.fromkeys(chunk.ranks))
-    boxes = [key for key in unique if 0 not in key[1]]
-    axes = [sorted({(o[d], s[d]) for o, s in boxes}) for d in range(len(shape))]
+    kept = _merge_replicas(chunks)
+    filled = [c for c in kept if 0 not in c.shape]
+    boxes = [(c.offsets, c.shape) for c in filled]
+    axes = [_distinct([(o[d], s[d]) for o, s in boxes]) for d in range(len(shape))]
     grid = all(_disjoint(intervals) for intervals in axes)
     if not grid:
-        pair = _overlap(boxes, len(shape))
+        try:
+            pair = _overlap(boxes, len(shape))
+        except _TooIrregular:
+            raise ChunkLayoutError(
+                f"the layout of {len(chunks)} chunks is too irregular to check: no dimension splits them and looking "
+                f"for overlaps took over {_Budget(len(boxes)).total} comparisons, the limit for {len(boxes)} "
+                "distinct non-empty boxes", file=file, tensor=name) from None
         if pair is not None:
-            (a, b), (fa, fb) = pair, (unique[pair[0]].file, unique[pair[1]].file)
+            (a, b), (fa, fb) = (boxes[pair[0]], boxes[pair[1]]), (filled[pair[0]].file, filled[pair[1]].file)
             raise ChunkLayoutError(f"chunks at offsets {a[0]} (shape {a[1]}, {fa}) and {b[0]} (shape {b[1]}, {fb}) "
                                    "overlap", file=file, tensor=name)
     covered = sum(math.prod(s) for _, s in boxes)
@@ -97,7 +104,40 @@ def validate_tiling(name: str, shape: tuple[int, ...], chunks: list[Chunk], *, f
         raise ChunkLayoutError(
             f"chunks cover {covered} of {total} elements of shape {shape}: {total - covered} elements are missing "
             f"(a shard file or chunk is absent){gap}", file=file, tensor=name)
-    return [replace(c, ranks=tuple(merged_ranks[k])) if k in merged_ranks else c for k, c in unique.items()]
+    return kept
+
+
+def _merge_replicas(chunks: list[Chunk]) -> list[Chunk]:
+    """The chunks with identical boxes (replicas) merged into the first, holding every replica's ranks in order.
+
+    By sorting, not hashing: a file chooses its boxes, and so their tuples' hashes (CPython's tuple hash can be
+    inverted), so a dict keyed by boxes would be quadratic in a hostile file's chunks.
+    """
+    order = sorted(range(len(chunks)), key=lambda i: (chunks[i].offsets, chunks[i].shape))  # stable: first is kept
+    merged: list[tuple[int, Chunk]] = []
+    start = 0
+    for end in range(1, len(order) + 1):
+        first = chunks[order[start]]
+        if end < len(order) and (chunks[order[end]].offsets, chunks[order[end]].shape) == (first.offsets, first.shape):
+            continue
+        if end - start > 1:
+            first = replace(first, ranks=_first_of_each([r for i in order[start:end] for r in chunks[i].ranks]))
+        merged.append((order[start], first))
+        start = end
+    return [chunk for _, chunk in sorted(merged, key=lambda item: item[0])]
+
+
+def _first_of_each(ranks: list[int]) -> tuple[int, ...]:
+    """Each rank once, in the order they first come (by sorting: a file can choose integers of one hash too)."""
+    firsts = sorted(range(len(ranks)), key=lambda k: (ranks[k], k))
+    kept = [k for n, k in enumerate(firsts) if n == 0 or ranks[k] != ranks[firsts[n - 1]]]
+    return tuple(ranks[k] for k in sorted(kept))
+
+
+def _distinct(values: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The distinct values, sorted (by sorting: hashing tuples a file chose could be quadratic)."""
+    values = sorted(values)
+    return [v for k, v in enumerate(values) if k == 0 or v != values[k - 1]]
 
 
 def _disjoint(intervals: list[tuple[int, int]]) -> bool:
@@ -105,40 +145,67 @@ def _disjoint(intervals: list[tuple[int, int]]) -> bool:
     return all(b >= a + n for (a, n), (b, _) in zip(intervals, intervals[1:]))
 
 
-def _overlap(boxes: list[Box], ndim: int) -> tuple[Box, Box] | None:
-    """Two overlapping boxes among distinct non-empty `boxes`, or None.
+SWEEP_FLOOR = 1 << 16
+"""Comparisons the sweeps of any number of boxes may make (~20 ms): a layout of up to 362 boxes, which makes at
+most n(n-1)/2, is never refused."""
+SWEEP_FACTOR = 2
+"""The sweeps of a tensor's n boxes may make SWEEP_FACTOR * n * log2(n) comparisons (or SWEEP_FLOOR, if more)
+between them; past that the layout is refused as too irregular to check (100,000 boxes: ~1 s). Grids, ZeRO's flat
+ranges and whatever splits down to two dimensions make at most one comparison a box."""
+
+
+class _TooIrregular(Exception):
+    """The sweeps ran past their comparison budget (three or more dimensions, many boxes sharing two of them)."""
+
+
+class _Budget:
+    """The comparisons the sweeps of one tensor's boxes may still make."""
+
+    def __init__(self, boxes: int):
+        self.total = max(SWEEP_FLOOR, SWEEP_FACTOR * boxes * math.ceil(math.log2(max(boxes, 2))))
+        self.left = self.total
+
+
+def _overlap(boxes: list[Box], ndim: int) -> tuple[int, int] | None:
+    """The indices of two overlapping boxes among distinct non-empty `boxes`, or None.
 
     A dimension whose distinct intervals are pairwise disjoint splits the boxes into groups that cannot
     overlap one another (ZeRO's flat ranges cut into boxes split this way, plane by plane, then row by
     row); within a group that dimension, like any on which the group agrees, separates nothing. What no
-    dimension splits is swept.
+    dimension splits is swept. Raises _TooIrregular where a sweep runs past its budget.
     """
-    work = [(boxes, list(range(ndim)))]  # (boxes, the dimensions they may differ on): a stack, not recursion
+    budget = _Budget(len(boxes))  # shared: many small groups must not each get the floor
+    work = [(list(range(len(boxes))), list(range(ndim)))]  # (boxes, the dimensions they may differ on): a stack
     while work:
         group, dims = work.pop()
-        axes = {d: sorted({(o[d], s[d]) for o, s in group}) for d in dims}
+        axes = {d: _distinct([(boxes[i][0][d], boxes[i][1][d]) for i in group]) for d in dims}
         dims = [d for d in dims if len(axes[d]) > 1]  # distinct boxes differ on one of these
         split = next((d for d in dims if _disjoint(axes[d])), None)
         if split is None:
-            pair = _sweep(group, sorted(dims, key=lambda d: -len(axes[d])))
+            pair = _sweep(boxes, group, sorted(dims, key=lambda d: -len(axes[d])), budget)
             if pair is not None:
                 return pair
             continue
-        parts: dict[tuple[int, int], list[Box]] = {}
-        for box in group:
-            parts.setdefault((box[0][split], box[1][split]), []).append(box)
         rest = [d for d in dims if d != split]
-        work.extend((part, rest) for part in parts.values() if len(part) > 1)
+        group.sort(key=lambda i: boxes[i][0][split])  # the intervals are disjoint: their starts tell them apart
+        begin = 0
+        for end in range(1, len(group) + 1):
+            if end == len(group) or boxes[group[end]][0][split] != boxes[group[begin]][0][split]:
+                if end - begin > 1:
+                    work.append((group[begin:end], rest))
+                begin = end
     return None
 
 
-def _sweep(boxes: list[Box], dims: list[int]) -> tuple[Box, Box] | None:
-    """Two overlapping boxes, or None, by a sweep; `dims` are the dimensions that tell boxes apart, best first."""
+def _sweep(boxes: list[Box], group: list[int], dims: list[int], budget: _Budget) -> tuple[int, int] | None:
+    """Two overlapping boxes of `group`, or None, by a sweep; `dims` are the dimensions that tell them apart, best
+    first. Raises _TooIrregular when the comparisons beyond one a box exhaust `budget` (only with three or more
+    dimensions: with two, the nearest active box is the only candidate)."""
     sweep, key, others = dims[0], (dims[1] if len(dims) > 1 else None), dims[2:]
-    reach = max((s[key] for _, s in boxes), default=0) if key is not None else 0
+    reach = max((boxes[i][1][key] for i in group), default=0) if key is not None else 0
     ending: list[tuple[int, int]] = []  # heap of (end on the sweep dimension, box) of the active boxes
     active: list[tuple[int, int]] = []  # the active boxes as (start on `key`, box), sorted
-    for i in sorted(range(len(boxes)), key=lambda i: boxes[i][0][sweep]):
+    for i in sorted(group, key=lambda i: boxes[i][0][sweep]):
         offsets, sizes = boxes[i]
         while ending and ending[0][0] <= offsets[sweep]:
             j = heapq.heappop(ending)[1]
@@ -146,7 +213,7 @@ def _sweep(boxes: list[Box], dims: list[int]) -> tuple[Box, Box] | None:
                 del active[bisect_left(active, (boxes[j][0][key], j))]
         if key is None:
             if ending:  # one dimension: every active box spans this one's start
-                return boxes[ending[0][1]], boxes[i]
+                return ending[0][1], i
         else:
             low, high = offsets[key], offsets[key] + sizes[key]
             position = bisect_left(active, (high, -1))  # active boxes starting before this one ends on `key`
@@ -158,9 +225,12 @@ def _sweep(boxes: list[Box], dims: list[int]) -> tuple[Box, Box] | None:
                 other = boxes[j]
                 if start + other[1][key] > low and all(
                         other[0][d] < offsets[d] + sizes[d] and offsets[d] < other[0][d] + other[1][d] for d in others):
-                    return other, boxes[i]
+                    return j, i
                 if not others:
                     break  # two dimensions: active boxes are disjoint on `key`, the nearest is the only candidate
+                budget.left -= 1
+                if not budget.left:
+                    raise _TooIrregular
             insort(active, (low, i))
         heapq.heappush(ending, (offsets[sweep] + sizes[sweep], i))
     return None
@@ -177,9 +247,8 @@ def _gap(boxes: list[Box], axes: list[list[tuple[int, int]]], shape: tuple[int, 
                 return f"{offsets} with shape {sizes}"
             position = start + size
     # every dimension is partitioned: a cell of the grid is absent; find the first in row-major order
-    index = [{interval: i for i, interval in enumerate(intervals)} for intervals in axes]
-    expected = [0] * len(shape)
-    for cell in sorted(tuple(index[d][(o[d], s[d])] for d in range(len(shape))) for o, s in boxes):
+    expected = [0] * len(shape)  # cells by bisection, not a dict of intervals: a file chooses their hashes
+    for cell in sorted(tuple(bisect_left(axes[d], (o[d], s[d])) for d in range(len(shape))) for o, s in boxes):
         if list(cell) != expected:
             break
         for d in reversed(range(len(shape))):  # the next cell: an odometer over the grid

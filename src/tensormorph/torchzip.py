@@ -24,13 +24,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import dtypes, safe_pickle
-from .errors import CheckpointError, ChecksumError, HeaderError, TruncatedFileError, UnsupportedError
+from .errors import CheckpointError, ChecksumError, HeaderError, TruncatedFileError, UnsafePickleError, UnsupportedError
+from .shapes import check_offset, check_shape, describe
 
 MAX_PICKLE_BYTES = 100_000_000
 MAX_EXPANDED_BYTES = 64 * 1024**2
 """Most logical bytes the expanded views of one archive may hold together: tensors whose strides address fewer
 bytes than they hold (stride 0, overlapping strides). Ordinary state dicts have none beyond size-1 dimensions."""
 MAX_BYTEORDER_BYTES = 64  # the byteorder record holds "little" or "big"; a bigger one would be read whole
+MAX_REUSE_FACTOR = 64  # the tensors of a file hold at most this many times its bytes (tied weights, shared buffers)
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,25 @@ class ExpansionBudget:
                 f"read up to {MAX_EXPANDED_BYTES} bytes per file", file=self.file, tensor=tensor)
 
 
+class ReuseBudget:
+    """The logical bytes an archive's tensors hold together, each time a name or a rebuild yields one: UnsupportedError
+    beyond MAX_REUSE_FACTOR times the archive's bytes plus MAX_EXPANDED_BYTES, so a pickle cannot name one big storage
+    thousands of times and declare far more than the file holds."""
+
+    def __init__(self, file: str, archive_bytes: int):
+        self.file = file
+        self.archive_bytes = archive_bytes
+        self.limit = MAX_REUSE_FACTOR * archive_bytes + MAX_EXPANDED_BYTES
+        self.total = 0
+
+    def charge(self, ref: TensorRef, tensor: str | None) -> None:
+        self.total += ref.nbytes
+        if self.total > self.limit:
+            raise UnsupportedError(f"the file's tensors hold {self.total} bytes by this one, over {MAX_REUSE_FACTOR} "
+                                   f"times the file's {self.archive_bytes} bytes: one storage is named too many times",
+                                   file=self.file, tensor=tensor)
+
+
 class _StorageType:
     """Stand-in for torch.FloatStorage and friends: only carries the dtype."""
 
@@ -132,7 +153,16 @@ def _tensor_globals(make_tensor: Any) -> dict[tuple[str, str], Any]:
     def rebuild_from_type_v2(func: Any, new_type: Any, args: Any, _state: Any) -> Any:
         if new_type not in (_TENSOR_TYPE, _PARAMETER_TYPE):
             raise HeaderError("_rebuild_from_type_v2 names a type other than Tensor or Parameter")
+        # torch passes only a tensor rebuild here; anything else (a set, a dict) would be built from the pickle's
+        # arguments without the checks the unpickler applies to the objects it builds itself
+        if not any(func is f for f in rebuilds):
+            raise UnsafePickleError(f"_rebuild_from_type_v2 calls {getattr(func, '__name__', type(func).__name__)!r}, "
+                                    "not a tensor rebuild function")
+        if not isinstance(args, tuple):
+            raise HeaderError(f"_rebuild_from_type_v2 passes {type(args).__name__} arguments, not a tuple")
         return func(*args)
+
+    rebuilds = (rebuild_tensor_v2, rebuild_tensor_v3, rebuild_tensor, rebuild_parameter)
 
     table: dict[tuple[str, str], Any] = dict(safe_pickle.BASE_GLOBALS)
     table.update({
@@ -195,11 +225,12 @@ def load(buffer: memoryview, *, file: str, item: str | None = None,
 
     `item` names the DCP item the archive belongs to, for error messages. `extra_globals` adds
     format-specific stand-ins (records of a training framework's classes) to the allowlist.
-    `check_expansion=False` leaves bounding expanded views to a caller that charges an ExpansionBudget
-    by tensor name once it has them.
+    Each tensor the pickle rebuilds is charged to an ExpansionBudget and a ReuseBudget;
+    `check_expansion=False` leaves both to a caller that charges them by tensor name once it has them.
     """
+    budgets = (ExpansionBudget(file), ReuseBudget(file, len(buffer))) if check_expansion else ()
     try:
-        return _load(buffer, file, item, extra_globals or {}, ExpansionBudget(file) if check_expansion else None)
+        return _load(buffer, file, item, extra_globals or {}, budgets)
     except CheckpointError:
         raise
     except RecursionError:
@@ -210,7 +241,7 @@ def load(buffer: memoryview, *, file: str, item: str | None = None,
 
 
 def _load(buffer: memoryview, file: str, item: str | None, extra_globals: safe_pickle.Globals,
-          expansion: ExpansionBudget | None) -> Any:
+          budgets: tuple[ExpansionBudget, ReuseBudget] | tuple[()]) -> Any:
     if len(buffer) >= 2 and buffer[0] == 0x80 and not is_torch_zip(bytes(buffer[:4])):
         raise UnsupportedError(
             "is a legacy (pre-1.6, non-zip) torch.save file, which this reader does not support; "
@@ -244,8 +275,9 @@ def _load(buffer: memoryview, file: str, item: str | None, extra_globals: safe_p
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise HeaderError(f"unexpected persistent id {pid!r} (expected a storage record)")
         _, storage_type, key, _location, numel = pid
-        if not isinstance(storage_type, _StorageType) or not isinstance(key, str) or not isinstance(numel, int):
-            raise HeaderError(f"malformed storage record {pid!r}")
+        if not isinstance(storage_type, _StorageType) or not isinstance(key, str):
+            raise HeaderError(f"malformed storage record ({type(storage_type).__name__}, {describe(key)})")
+        check_offset(numel, file=file, tensor=item, what=f"the element count of storage {key[:80]!r}")
         if key not in storages:
             record = records.get(f"{prefix}data/{key}")
             if record is None:
@@ -254,7 +286,7 @@ def _load(buffer: memoryview, file: str, item: str | None, extra_globals: safe_p
                 raise UnsupportedError(f"storage {key!r} is compressed inside the zip", file=file, tensor=item)
             nbytes = numel * (dtypes.itemsize(storage_type.dtype) if storage_type.dtype else 1)
             offset = _data_offset(buffer, record)
-            if numel < 0 or nbytes > record.file_size or offset + record.file_size > len(buffer):
+            if nbytes > record.file_size or offset + record.file_size > len(buffer):
                 raise TruncatedFileError(f"storage {key!r} claims {nbytes} bytes but the archive holds "
                                          f"{min(record.file_size, len(buffer) - offset)}", file=file, tensor=item)
             storages[key] = StorageRef(key, storage_type.dtype, nbytes, offset)
@@ -266,18 +298,21 @@ def _load(buffer: memoryview, file: str, item: str | None, extra_globals: safe_p
         dtype = dtype or storage.dtype
         if dtype is None:
             raise HeaderError(f"a tensor on untyped storage {storage.key!r} names no dtype")
-        shape, steps = tuple(size), tuple(stride)
-        if (not isinstance(storage_offset, int) or storage_offset < 0 or len(shape) != len(steps)
-                or not all(isinstance(v, int) and v >= 0 for v in shape + steps)):
-            raise HeaderError(f"invalid tensor geometry: offset {storage_offset}, size {shape}, stride {steps}")
+        # bounded before any arithmetic: a huge dimension count or integer makes byte_span cost quadratic time
+        shape = check_shape(size, file=file, tensor=item, what="tensor size")
+        steps = check_shape(stride, file=file, tensor=item, what="tensor stride")
+        check_offset(storage_offset, file=file, tensor=item, what="tensor storage offset")
+        if len(shape) != len(steps):
+            raise HeaderError(f"invalid tensor geometry: size {list(shape)} but stride {list(steps)}",
+                              file=file, tensor=item)
         tensor = TensorRef(storage, dtype, storage_offset, shape, steps)
         begin, end = tensor.byte_span
         if end - storage.offset > storage.nbytes:
             raise TruncatedFileError(
                 f"a tensor of size {shape} and stride {steps} at offset {storage_offset} reaches past the end "
                 f"of storage {storage.key!r} ({storage.nbytes} bytes)", file=file, tensor=item)
-        if expansion is not None:
-            expansion.charge(tensor, item)
+        for budget in budgets:
+            budget.charge(tensor, item)
         return tensor
 
     allowed = {**_tensor_globals(make_tensor), **extra_globals}

@@ -41,6 +41,7 @@ from ..errors import (
     UnsupportedError,
 )
 from ..pickle_work import KeyHashes
+from ..shapes import MAX_DIMS, MAX_OFFSET, check_offset, check_shape, describe
 from ..storage import ByteStore, LocalFiles, MappableStore
 from ..tiling import validate_tiling
 from ..units import human_bytes
@@ -254,9 +255,8 @@ def _attr(record: Any, name: str, file: str, expected: type | tuple[type, ...], 
 
 
 def _ints(value: Any, what: str, file: str, name: str) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise HeaderError(f"{what} should be a list of integers, found {value!r}", file=file, tensor=name)
-    return tuple(value)
+    """A declared size or offsets: at most MAX_DIMS integers in [0, MAX_DIM), checked before any arithmetic."""
+    return check_shape(value, file=file, tensor=name, what=what)
 
 
 def _dtype_of(properties: Any, file: str, name: str) -> str:
@@ -302,20 +302,22 @@ def _parse(files: ByteStore, metadata_names: list[str], where: str) -> _Parsed:
     state: dict[str, Any] = {}
     storage: dict[tuple[str, tuple[int, ...] | None], _Item] = {}
     hashes = KeyHashes(file=where)  # offsets tuples can be made to share one hash: counted before the dict hashes them
+    more_chunks: dict[str, list[Any]] = {}  # per-rank metadata files' chunks, joined once: linear in the files
     for record in records:
         for fqn, entry in (_attr(record, "state_dict_metadata", where, dict) or {}).items():
             if not isinstance(fqn, str):
                 raise HeaderError(f"state_dict_metadata key {fqn!r} is not a string", file=where)
-            previous = state.get(fqn)
-            if previous is not None and type(entry).__name__ == "TensorStorageMetadata":
-                previous.chunks = list(previous.chunks) + list(getattr(entry, "chunks", []))  # per-rank metadata files
+            if fqn in state and type(entry).__name__ == "TensorStorageMetadata":
+                more_chunks.setdefault(fqn, []).extend(_attr(entry, "chunks", where, (list, tuple), None) or ())
             else:
                 state[fqn] = entry
         items = [(_storage_key(index, where), info)
                  for index, info in (_attr(record, "storage_data", where, dict) or {}).items()]
         hashes.admit((key for key, _ in items), into=storage)
         for key, info in items:
-            storage[key] = _item(info, files, where)
+            storage[key] = _item(info, files, where, key[0])
+    for fqn, chunks in more_chunks.items():
+        state[fqn].chunks = list(_attr(state[fqn], "chunks", where, (list, tuple), None) or ()) + chunks
     return _Parsed(records, state, storage)
 
 
@@ -402,13 +404,18 @@ def _storage_key(index: Any, where: str) -> tuple[str, tuple[int, ...] | None]:
     if type(index).__name__ != "MetadataIndex" or not isinstance(fqn, str):
         raise HeaderError(f"storage_data key {index!r} is not a MetadataIndex", file=where)
     offset = getattr(index, "offset", None)
-    return fqn, None if offset is None else _ints(offset, "MetadataIndex.offset", where, fqn)
+    # only looked up, never computed with: any int64 passes (a negative one matches no chunk and is left unread)
+    if offset is not None and (not isinstance(offset, (tuple, list)) or len(offset) > MAX_DIMS
+                               or not all(type(v) is int and -MAX_OFFSET <= v < MAX_OFFSET for v in offset)):
+        raise HeaderError(f"MetadataIndex.offset must be at most {MAX_DIMS} 64-bit integers, found {describe(offset)}",
+                          file=where, tensor=fqn)
+    return fqn, None if offset is None else tuple(offset)
 
 
-def _item(info: Any, files: ByteStore, where: str) -> _Item:
+def _item(info: Any, files: ByteStore, where: str, fqn: str) -> _Item:
     relative = _attr(info, "relative_path", where, str)
-    offset = _attr(info, "offset", where, int)
-    length = _attr(info, "length", where, int)
+    offset = check_offset(_attr(info, "offset", where, int), file=where, tensor=fqn, what="storage offset")
+    length = check_offset(_attr(info, "length", where, int), file=where, tensor=fqn, what="storage length")
     transforms = _attr(info, "transform_descriptors", where, (list, tuple), default=None) or ()
     files.describe(relative, referrer=where)  # refuses a file outside the folder, naming the metadata file
     if not all(isinstance(t, str) for t in transforms):
@@ -419,8 +426,6 @@ def _item(info: Any, files: ByteStore, where: str) -> _Item:
 def _tensor(fqn: str, entry: Any, storage: dict, files: MappableStore, where: str) -> LogicalTensor:
     dtype = _dtype_of(getattr(entry, "properties", None), where, fqn)
     shape = _ints(getattr(entry, "size", None), "size", where, fqn)
-    if any(d < 0 for d in shape):
-        raise HeaderError(f"negative size {shape}", file=where, tensor=fqn)
     chunks = []
     for chunk_record in getattr(entry, "chunks", None) or []:
         offsets = _ints(getattr(chunk_record, "offsets", None), "chunk offsets", where, fqn)
@@ -430,8 +435,9 @@ def _tensor(fqn: str, entry: Any, storage: dict, files: MappableStore, where: st
             raise HeaderError(f"chunk at offsets {list(offsets)} has no storage entry", file=where, tensor=fqn)
         nbytes = math.prod(sizes) * dtypes.itemsize(dtype)
         if not item.transforms and nbytes > item.length:
-            raise TruncatedFileError(f"chunk at offsets {list(offsets)} declares {nbytes} bytes, but its item is only "
-                                     f"{item.length} bytes long", file=files.describe(item.file), tensor=fqn)
+            raise TruncatedFileError(f"chunk at offsets {list(offsets)} declares {describe(nbytes)} bytes, but its "
+                                     f"item is only {item.length} bytes long",
+                                     file=files.describe(item.file), tensor=fqn)
         match = DATA_FILE_RANK.match(item.file)
         ranks = (int(match.group(1)),) if match else ()
         source = DcpItemArray(files, item, fqn, dtype, sizes)

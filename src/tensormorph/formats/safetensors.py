@@ -20,13 +20,14 @@ from typing import Any
 from .. import dtypes
 from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray
 from ..errors import CheckpointError, HeaderError, TruncatedFileError
+from ..shapes import check_shape, describe
 from ..storage import ByteStore, LocalFiles, MappableStore, open_regular, parse_json
-from ..tiling import MAX_DIM
 from .contract import Detection, no_checksums
 
 NAME = "safetensors"
 
 MAX_HEADER_BYTES = 100_000_000  # the reference library's MAX_HEADER_SIZE (its JSON values: storage.MAX_JSON_VALUES)
+MAX_NUMEL = 2**64  # elements of a tensor and its data offsets: the reference reads them as usize (checked_mul)
 FIELDS = ("dtype", "shape", "data_offsets")  # of a tensor entry: the reference refuses one given twice
 
 
@@ -180,25 +181,24 @@ def _entry(path: str, tensor: str, info: object, data_start: int) -> Entry:
         raise HeaderError(f"unknown dtype {dtype!r}; expected one of {', '.join(dtypes.NUMPY_DTYPES)}",
                           file=path, tensor=tensor)
     numpy_dtype = dtypes.NUMPY_DTYPES[dtype]
+    dims = check_shape(shape, file=path, tensor=tensor)
     numel = 1
-    if type(shape) is list:
-        for d in shape:
-            if type(d) is not int or not 0 <= d < MAX_DIM:
-                numel = -1
-                break
-            numel *= d
-    if type(shape) is not list or numel < 0:
-        raise HeaderError(f"shape must be a list of integers in [0, 2**62), found {shape!r}", file=path, tensor=tensor)
+    for d in dims:
+        numel *= d
+        if numel >= MAX_NUMEL:
+            raise HeaderError(f"shape {shape} holds 2**64 or more elements (the reference library refuses it too)",
+                              file=path, tensor=tensor)
     if (type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int
-            or type(offsets[1]) is not int or not 0 <= offsets[0] <= offsets[1]):
-        raise HeaderError(f"data_offsets must be [begin, end] with 0 <= begin <= end, found {offsets!r}",
+            or type(offsets[1]) is not int or not 0 <= offsets[0] <= offsets[1] < MAX_NUMEL):
+        found = f"[{', '.join(map(describe, offsets))}]" if type(offsets) is list else describe(offsets)
+        raise HeaderError(f"data_offsets must be [begin, end] with 0 <= begin <= end < 2**64, found {found}",
                           file=path, tensor=tensor)
     begin, end = offsets
     expected = numel * numpy_dtype.itemsize
     if end - begin != expected:
         raise HeaderError(f"holds {end - begin} bytes, but shape {shape} of {dtype} needs {expected}",
                           file=path, tensor=tensor)
-    return Entry(tensor, dtype, tuple(shape), data_start + begin, data_start + end)
+    return Entry(tensor, dtype, dims, data_start + begin, data_start + end)
 
 
 def _check_layout(path: str, entries: dict[str, Entry], data_start: int, size: int) -> None:

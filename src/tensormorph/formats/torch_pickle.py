@@ -7,7 +7,7 @@ What a file declares is bounded by its size, so reading it costs at most a fixed
   with UnsupportedError naming the tensor, its shape and strides. Transposes, slices with steps and size-1
   dimensions of stride 0 (an `expand((1, -1))` buffer) address as many bytes as they hold: unaffected.
 - Tied weights name one storage several times (T5 names its embedding three times); the tensors of a file
-  may add up to MAX_REUSE_FACTOR times its size, plus MAX_EXPANDED_BYTES, so a pickle cannot name one big
+  may add up to torchzip.MAX_REUSE_FACTOR times its size, plus MAX_EXPANDED_BYTES, so a pickle cannot name one big
   storage millions of times.
 """
 
@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import dtypes, torchzip
 from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray, ObjectEntry, in_memory
-from ..errors import CheckpointError, ChecksumError, HeaderError, UnsupportedError
+from ..errors import CheckpointError, ChecksumError, HeaderError
 from ..storage import LocalFiles, MappableStore, open_regular
 from .contract import Detection
 
@@ -33,7 +33,6 @@ NAME = "torch"
 SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 # torch.save's legacy format starts with a pickled magic number (0x1950a86a20f9469cfc6c).
 LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
-MAX_REUSE_FACTOR = 64  # the tensors of a file hold at most this many times its bytes (tied weights, shared buffers)
 
 
 def looks_like_torch(path: Path) -> bool:
@@ -124,19 +123,13 @@ def read_file(files: MappableStore, file: str) -> tuple[dict[str, LogicalTensor]
     """The tensors and plain objects of one torch.save file, by dotted name."""
     buffer, path = files.buffer(file), files.describe(file)
     tree = torchzip.load(buffer, file=path, check_expansion=False)  # checked below, by tensor name
-    expansion = torchzip.ExpansionBudget(path)
-    limit = MAX_REUSE_FACTOR * len(buffer) + torchzip.MAX_EXPANDED_BYTES
-    total = 0
+    expansion, reuse = torchzip.ExpansionBudget(path), torchzip.ReuseBudget(path, len(buffer))
     tensors: dict[str, LogicalTensor] = {}
     objects: dict[str, ObjectEntry] = {}
     for name, leaf in flatten(tree):
         if isinstance(leaf, torchzip.TensorRef):
             expansion.charge(leaf, name)
-            total += leaf.nbytes
-            if total > limit:
-                raise UnsupportedError(f"the file's tensors hold {total} bytes by this one, over {MAX_REUSE_FACTOR} "
-                                       f"times the file's {len(buffer)} bytes: one storage is named too many times",
-                                       file=path, tensor=name)
+            reuse.charge(leaf, name)
             tensors[name] = LogicalTensor(name, leaf.dtype, leaf.shape, (tensor_chunk(files, file, leaf),))
         else:
             objects[name] = ObjectEntry(name, None, file, loader=in_memory(leaf))

@@ -129,7 +129,8 @@ def check_scannable(tensor: LogicalTensor) -> None:
     """BudgetExceededError naming the tensor when its declared size is beyond what any scan can read."""
     nbytes = tensor.nbytes
     if nbytes > MAX_SCAN_BYTES:
-        size = f"{nbytes:.3g}" if nbytes.bit_length() < 1000 else f"about 1e{len(str(nbytes)) - 1}"  # float's range
+        # beyond float's range, the exponent from the bit length (log10(2) = 0.30103): str() of a huge int is slow
+        size = f"{nbytes:.3g}" if nbytes.bit_length() < 1000 else f"about 1e{int(nbytes.bit_length() * 0.30103)}"
         raise BudgetExceededError(
             f"declares shape {list(tensor.shape)} of {tensor.dtype}, {size} bytes: too large to scan "
             f"(the limit is {MAX_SCAN_BYTES:,} bytes)", file=tensor.files[0] if tensor.files else None,

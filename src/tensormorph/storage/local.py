@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import builtins  # `list` names a method of the stores: their annotations say builtins.list
 import contextlib
+import errno
 import json
 import mmap
 import os
@@ -44,15 +45,19 @@ def create_new(path: Path) -> BinaryIO:
     return os.fdopen(os.open(path, NEW_FILE_FLAGS, 0o644), "wb")
 
 
-def open_regular(path: Path) -> int:
+def open_regular(path: Path, *, follow: bool = True) -> int:
     """A read-only descriptor of the regular file at `path`. Anything else is refused, naming it: opening a FIFO
     would wait for a writer (O_NONBLOCK opens it at once, to be refused), a device such as /dev/zero reads
-    without end, and a folder has no bytes."""
+    without end, and a folder has no bytes. `follow=False` refuses a link at `path`: for a path already resolved,
+    where a link can only be one swapped in since."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
     except FileNotFoundError:
         raise MissingFileError("file is missing", file=str(path)) from None
-    except OSError as exc:  # permission denied, a name too long, a loop of links ...
+    except OSError as exc:
+        if not follow and exc.errno == errno.ELOOP:
+            raise UnsafePathError("became a link after the checkpoint was opened; it is not followed",
+                                  file=str(path)) from None
         raise CheckpointError(f"cannot be read: {exc.strerror or exc}", file=str(path)) from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
@@ -96,7 +101,7 @@ def read_head(path: Path, length: int) -> bytes:
     there is no regular file there or it cannot be read, so a FIFO, a device or a folder is not recognised."""
     try:
         fd = open_regular(path)
-    except (OSError, MissingFileError):
+    except (OSError, CheckpointError):  # unreadable, a loop of links, not a regular file: not this format
         return b""
     try:
         return os.pread(fd, length, 0)
@@ -117,11 +122,26 @@ def pread_into(fd: int, offset: int, target: memoryview, where: str) -> None:
         done += count
 
 
+HUB_REPO_KINDS = ("models", "datasets", "spaces")
+
+
+def hub_blobs(root: Path) -> str | None:
+    """The blobs folder (ending in "/") when `root` is a revision of the Hugging Face hub cache, whose files are
+    links into `<repo>/blobs/`: there they are the checkpoint's own files. None for any other folder."""
+    snapshots, repo = root.parent, root.parent.parent
+    kind, _, rest = repo.name.partition("--")
+    if snapshots.name != "snapshots" or kind not in HUB_REPO_KINDS or not rest:
+        return None
+    blobs = repo / "blobs"
+    return f"{blobs}/" if blobs.is_dir() and not blobs.is_symlink() else None
+
+
 class LocalFiles:
     """The files of one checkpoint folder, opened read-only and mapped on demand."""
 
     def __init__(self, root: Path):
         self.root = Path(root).resolve()
+        self._blobs = hub_blobs(self.root)
         self._maps: dict[Path, mmap.mmap | None] = {}
         self._resolved: dict[str, Path] = {}
         self._lock = threading.Lock()
@@ -140,7 +160,8 @@ class LocalFiles:
             raise UnsafePathError(f"names file {text!r}, which is outside the checkpoint folder", file=who)
         real = self._real(parts)
         root = str(self.root)
-        if real != root and not real.startswith(root.rstrip("/") + "/"):
+        inside = real == root or real.startswith(root.rstrip("/") + "/")
+        if not inside and not (self._blobs and real.startswith(self._blobs)):
             raise UnsafePathError(
                 f"names file {text!r}, a link that resolves outside the checkpoint folder to {real}", file=who
             )
@@ -198,7 +219,7 @@ class LocalFiles:
     def read(self, name: str, offset: int, length: int) -> bytes:
         """Read exactly `length` bytes (headers, indexes): counted in header_bytes_read."""
         path = self.resolve(name)
-        with os.fdopen(open_regular(path), "rb") as f:
+        with os.fdopen(open_regular(path, follow=False), "rb") as f:
             f.seek(offset)
             data = f.read(length)
         return self._counted(data, length, offset, path)
@@ -206,7 +227,7 @@ class LocalFiles:
     def read_prefixed(self, name: str, max_length: int) -> tuple[int, int, bytes]:
         """(file size, length, the `length` bytes after an 8-byte little-endian length) in one open."""
         path = self.resolve(name)
-        with os.fdopen(open_regular(path), "rb") as f:
+        with os.fdopen(open_regular(path, follow=False), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             prefix = self._counted(f.read(8), 8, 0, path) if size >= 8 else b""
             length = int.from_bytes(prefix, "little") if prefix else -1
@@ -217,7 +238,7 @@ class LocalFiles:
     def read_json(self, name: str, max_bytes: int, what: str = "file") -> Any:
         """A small JSON file (an index, a config), size-capped and parsed; problems are HeaderErrors."""
         path = self.resolve(name)
-        fd = open_regular(path)
+        fd = open_regular(path, follow=False)
         try:
             raw = read_capped(fd, max_bytes)
         finally:
@@ -254,7 +275,7 @@ class LocalFiles:
             os.close(fd)
 
     def _open(self, name: str) -> int:
-        return open_regular(self.resolve(name))
+        return open_regular(self.resolve(name), follow=False)
 
     def _counted(self, data: bytes, length: int, offset: int, path: Path) -> bytes:
         if len(data) != length:
@@ -269,7 +290,7 @@ class LocalFiles:
         path = self.resolve(name)
         with self._lock:
             if path not in self._maps:
-                fd = open_regular(path)
+                fd = open_regular(path, follow=False)
                 try:
                     size = os.fstat(fd).st_size
                     mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None

@@ -20,7 +20,7 @@ import crc32c
 import numpy as np
 
 from .. import dtypes
-from ..errors import CheckpointError, ChecksumError, HeaderError
+from ..errors import CheckpointError, ChecksumError, HeaderError, UnsupportedError
 from .checksums import CHECKSUM_BLOCK
 from .parity import MAX_SEGMENT, MAX_STEP_BYTES, parse_scheme
 
@@ -33,13 +33,14 @@ INIT_PREFIX = ".init-tensormorph-"  # a save's folder while its marker is create
 CHECKSUM = "crc32c"
 MAX_MANIFEST_BYTES = 512 * 1024**2
 """Largest manifest read. Block checksums take 85 MiB of it per TiB of data (64 KiB blocks): about 5 TiB."""
-MAX_MANIFEST_VALUES = 1 << 23
+MAX_MANIFEST_VALUES = 1 << 24
 """Most JSON values a manifest may hold, counted before it is parsed by the characters that open them (`,[{:`,
 an upper bound). Parsed, a value costs Python up to ~140 bytes (small dicts among the objects, decoded once
 more), whatever the bytes that spell it (`[[],[],...]` takes 3 bytes a value), so this, not the size, bounds
-memory: 8.4 M values, about 360,000 chunks of 2-D tensors (23 values a chunk). Measured at both limits, the worst
-shapes grow memory by 0.6 GiB (empty lists), 1.1 GiB (small dicts) and 1.5 GiB (small dicts and one 490 MB
-string), beyond the bytes read."""
+memory: 16.8 M values, about 730,000 chunks of 2-D tensors (23 values a chunk; a 7B model and its Adam state
+under FSDP on 512 ranks has ~450,000). Measured at this limit, the worst shape (small dicts among the objects)
+grows memory by 2.1 GiB (1.2 GiB for empty lists; 2.6 GiB with one 465 MB string besides), beyond the bytes read.
+Manifest.to_bytes refuses to write a manifest over either limit, so no save commits what no reader opens."""
 _STRUCTURE = b",[{:"  # a JSON value is the first in its container or follows a comma; each key precedes a colon
 _TEXT_PIECE = 1 << 24  # characters of the canonical text encoded at a time when checksumming it
 
@@ -137,8 +138,10 @@ class Manifest:
             body["redundancy"] = self.redundancy.to_json()
         text = json.dumps(body, separators=(",", ":"), allow_nan=False)
         # the manifest carries its own checksum, over the canonical text before it
-        return json.dumps({"manifest_crc32c": f"{crc32c.crc32c(text.encode()):08x}", "body": json.loads(text)},
-                          separators=(",", ":"), allow_nan=False).encode()
+        raw = json.dumps({"manifest_crc32c": f"{crc32c.crc32c(text.encode()):08x}", "body": json.loads(text)},
+                         separators=(",", ":"), allow_nan=False).encode()
+        check_readable(raw, sum(len(t.chunks) for t in self.tensors.values()))
+        return raw
 
 
 # ---- non-tensor values as JSON, with tags for what JSON lacks --------------------------------------------
@@ -242,6 +245,21 @@ def _body_checksum(raw: bytes, outer: dict, body: Any) -> str:
     return f"{value:08x}"
 
 
+def check_readable(raw: bytes, chunks: int) -> None:
+    """Refuse to write a manifest that readers would refuse (MAX_MANIFEST_BYTES, MAX_MANIFEST_VALUES): committed,
+    it would be a checkpoint no one can open, and resume would pass over it as damaged."""
+    values = _count_values(raw)
+    if len(raw) > MAX_MANIFEST_BYTES or values > MAX_MANIFEST_VALUES:
+        raise UnsupportedError(
+            f"the checkpoint has too many chunks for one manifest: {chunks} chunks make {len(raw)} bytes and about "
+            f"{values} JSON values, over the limits of {MAX_MANIFEST_BYTES} bytes and {MAX_MANIFEST_VALUES} values "
+            "(save fewer, larger shards)", file=MANIFEST)
+
+
+def _count_values(raw: bytes) -> int:
+    return sum(raw.count(c) for c in _STRUCTURE)
+
+
 def parse(raw: bytes, where: str) -> Manifest:
     """Validate and decode a manifest; every problem is a HeaderError (ChecksumError when damaged).
 
@@ -262,10 +280,10 @@ def parse(raw: bytes, where: str) -> Manifest:
 def _parse(raw: bytes, where: str) -> Manifest:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise HeaderError(f"manifest is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit", file=where)
-    values = sum(raw.count(c) for c in _STRUCTURE)
+    values = _count_values(raw)
     if values > MAX_MANIFEST_VALUES:
         raise HeaderError(f"manifest holds about {values} JSON values, over the limit of {MAX_MANIFEST_VALUES} "
-                          "(about 360,000 chunks)", file=where)
+                          "(about 730,000 chunks)", file=where)
     try:
         outer = json.loads(raw, parse_float=_finite, parse_constant=_constant)
     except _NonFinite:

@@ -9,6 +9,7 @@ from typing import Any
 
 from ... import safe_pickle, torchzip
 from ...errors import HeaderError, UnsupportedError
+from ...shapes import check_shape, describe
 from ...storage import MappableStore
 
 # model-states entries that describe the layout rather than hold state of their own
@@ -101,10 +102,9 @@ def _shapes(value: Any, path: str) -> dict[str, tuple[int, ...]]:
         raise HeaderError(f"expected a name -> shape map, found {type(value).__name__}", file=path)
     shapes = {}
     for name, shape in value.items():
-        if (not isinstance(name, str) or not isinstance(shape, (tuple, list))
-                or not all(type(n) is int and 0 <= n < 2**62 for n in shape)):
-            raise HeaderError(f"shape {shape!r} is not a tuple of sizes", file=path, tensor=str(name))
-        shapes[name] = tuple(shape)
+        if not isinstance(name, str):
+            raise HeaderError(f"parameter name {describe(name)} is not a string", file=path)
+        shapes[name] = check_shape(shape, file=path, tensor=name)
     return shapes
 
 

@@ -23,6 +23,11 @@ def _shape_of(model: ModelStates, name: str) -> tuple[int, ...]:
     return model.frozen_shapes[name]
 
 
+def _reuse_budget(files: MappableStore, model: ModelStates) -> torchzip.ReuseBudget:
+    """A budget for the model file's tensors by name: a pickle may name one storage under many names."""
+    return torchzip.ReuseBudget(files.describe(model.file), files.size(model.file))
+
+
 def master_tensors(files: MappableStore, layout: Layout, model: ModelStates, ranks: list[RankStates],
                    placement: Placement) -> dict[str, LogicalTensor]:
     """<param>: the fp32 master weights, read from the ranks' flat partitions."""
@@ -92,12 +97,14 @@ def frozen_tensors(files: MappableStore, model: ModelStates, model_names: list[s
             dtype, chunks = flat_chunks(files, name, shape, pieces, fragment_of)
             tensors[name] = LogicalTensor(name, dtype, shape, tuple(chunks), placement)
         return tensors
+    reuse = _reuse_budget(files, model)
     for name, shape in model.frozen_shapes.items():
         fragment = model.frozen_fragments.get(name)
         if fragment is None or math.prod(fragment.shape) != math.prod(shape):
             raise HeaderError(f"is frozen with shape {shape}, but its fragment is "
                               f"{None if fragment is None else fragment.shape}", file=files.describe(model.file),
                               tensor=name)
+        reuse.charge(fragment, name)
         tensors[name] = reshaped(LogicalTensor(name, fragment.dtype, fragment.shape,
                                                (tensor_chunk(files, model.file, fragment),)), shape)
     if stage <= 1:
@@ -106,6 +113,7 @@ def frozen_tensors(files: MappableStore, model: ModelStates, model_names: list[s
         trainable = {n for shapes in model.param_shapes for n in shapes}
         for name, ref in model.module.items():
             if name not in trainable and name not in model.buffers and name not in model.shared:
+                reuse.charge(ref, name)
                 tensors[name] = LogicalTensor(name, ref.dtype, ref.shape, (tensor_chunk(files, model.file, ref),))
     return tensors
 
@@ -114,7 +122,9 @@ def module_tensors(files: MappableStore, model: ModelStates) -> dict[str, Logica
     """Buffers under their own names; the module's weights as module.<name> (stage-3 placeholders left out)."""
     tensors = {}
     expected = {n: s for shapes in model.param_shapes for n, s in shapes.items()} | model.frozen_shapes
+    reuse = _reuse_budget(files, model)
     for name, ref in model.module.items():
+        reuse.charge(ref, name)
         if name in model.shared:
             continue  # an alias of its source, added with the others
         if name in model.buffers:
