@@ -6,7 +6,7 @@
 
 import { ApiError, getJSON } from './api.js';
 import { DiffView, statusLabel } from './diff.js';
-import { bytes, count, el, int, shape as fmtShape } from './format.js';
+import { bytes, count, el, int, midName, shape as fmtShape } from './format.js';
 import { Heatmap } from './heatmap.js';
 import { Inspector } from './inspector.js';
 import { TreeView } from './tree.js';
@@ -203,7 +203,7 @@ function welcome() {
     const changed = state.diff ? state.diff.tensors.filter((t) => t.status !== 'equal').slice(0, 8) : [];
     box.replaceChildren(el('div', { class: 'welcome' }, el('h3', {}, changed.length ? 'Largest differences' : 'No differences'),
       ...changed.map((t) => el('button', { type: 'button', onclick: () => { const rec = diffView.select(t.name); if (rec) showDiffTensor(rec); } },
-        el('span', {}, t.name), el('span', { class: 'muted' }, statusLabel(t.status))))));
+        midName(t.name), el('span', { class: 'muted' }, statusLabel(t.status))))));
     return;
   }
   const summary = state.summaries[state.active];
@@ -211,7 +211,7 @@ function welcome() {
   const largest = [...summary.tensors].sort((x, y) => y.nbytes - x.nbytes).slice(0, 8);
   box.replaceChildren(el('div', { class: 'welcome' }, el('h3', {}, 'Pick a tensor on the left, or one of the largest:'),
     ...largest.map((t) => el('button', { type: 'button', onclick: () => selectTensor(t.name) },
-      el('span', {}, t.name), el('span', { class: 'muted' }, `${fmtShape(t.shape)} · ${bytes(t.nbytes)}`)))));
+      midName(t.name), el('span', { class: 'muted' }, `${fmtShape(t.shape)} · ${bytes(t.nbytes)}`)))));
 }
 
 function setTitle(text, detail = '') {
@@ -222,12 +222,25 @@ function setTitle(text, detail = '') {
 
 // ---------------------------------------------------------------- tensor selection
 
+/**
+ * The shape of what `rank` holds, as the server's local view has it (core.local_tensor): its one
+ * non-empty chunk's shape, the 1-D run of several chunks, or an empty chunk's shape.
+ */
+function localShape(record, rank) {
+  const numel = (c) => c.shape.reduce((a, b) => a * b, 1);
+  const held = record.chunks.filter((c) => c.ranks.includes(rank));
+  const full = held.filter((c) => numel(c) > 0);
+  if (full.length > 1) return [full.reduce((n, c) => n + numel(c), 0)];
+  const one = full[0] || held[0];
+  return one ? one.shape : [0];
+}
+
 function tensorSource(ck, record, rank) {
   return {
     tensorKey: `${ck}|${record.name}`,
     endpoint: `/api/checkpoints/${ck}/tile`,
     params: { name: record.name, rank },
-    dims: record.shape,
+    dims: rank === null ? record.shape : localShape(record, rank),  // the axes selector shows what is drawn
     chunks: rank === null ? record.chunks : null,
     probe: rank !== null,  // a local view's shape is the server's to say
     // local(rank) indices are within the rank's chunk: the hover readout adds its offsets
@@ -249,6 +262,8 @@ async function selectTensor(name, { rank = null } = {}) {
   } catch (err) {
     if (seq !== tensorRequest) return;
     setTitle(name);
+    state.record = null;
+    await heatmap.setSource(null);  // not the previous tensor's image under the error
     heatmap.setMessage(`Could not open the tensor: ${err.message}`, { error: true });
     return;
   }
@@ -267,6 +282,11 @@ function showRecord() {
   if (record.shape.includes(0)) {
     heatmap.setSource(null);
     heatmap.setMessage('empty tensor: no elements to draw');
+    return;
+  }
+  if (rank !== null && localShape(record, rank).includes(0)) {
+    heatmap.setSource(null);
+    heatmap.setMessage(`rank ${rank} holds 0 of ${int(record.numel)} elements`);
     return;
   }
   heatmap.setSource(tensorSource(ck, record, rank));

@@ -4,7 +4,7 @@
 
 import { getJSON } from './api.js';
 import { VirtualList } from './virtual.js';
-import { el, int, percent, shape as fmtShape, value as fmtValue } from './format.js';
+import { el, int, midName, percent, shape as fmtShape, value as fmtValue } from './format.js';
 
 const STATUS_ORDER = ['different', 'shape_mismatch', 'dtype_mismatch', 'only_a', 'only_b', 'close', 'equal'];
 
@@ -183,7 +183,7 @@ export class DiffView {
       'data-status': t.status, 'data-index': i, role: 'row', title: t.name,
     },
     el('span', {}, el('span', { class: `status ${t.status}` }, statusLabel(t.status))),
-    el('span', { class: 'mono tail' }, el('bdi', {}, t.name)),
+    midName(t.name, 'mono'),
     el('span', { class: 'mono' }, shapeOf(t)),
     num(t.max_abs, 3), num(t.rel_l2, 3), num(t.cosine, 6),
     el('span', { class: 'num' }, t.mismatches ? percent(t.mismatch_fraction) : '0'));

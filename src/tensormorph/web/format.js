@@ -101,3 +101,38 @@ export function el(tag, attrs = {}, ...children) {
   }
   return node;
 }
+
+const MID_TAIL_MIN_CH = 12;  // the end of a cut name keeps at least this many characters (or all of it)
+
+/**
+ * Where a long name is cut, [index, numbered]: right after its last numeric segment (the layer
+ * number, as in "model.encoder.layer.11" | ".attention.self.query.weight"; numbered true), else at
+ * the separator nearest the middle.
+ */
+export function nameSplit(name) {
+  let at = -1;
+  for (const m of name.matchAll(/(?:^|[._/-])\d+(?=[._/-]|$)/g)) at = m.index + m[0].length;
+  if (at > 0 && at < name.length) return [at, true];
+  const half = Math.floor(name.length / 2);
+  const before = Math.max(name.lastIndexOf('.', half), name.lastIndexOf('/', half));
+  const sep = before > 0 ? before : name.indexOf('.', half);
+  return [sep > 0 ? sep : half, false];
+}
+
+/**
+ * A name that, in a box too narrow for it, is cut in the middle rather than at an end: the part after
+ * nameSplit() gives way first (cut at its start), down to MID_TAIL_MIN_CH characters, then the start:
+ * "model.encoder.layer.11…self.query.weight", then "…coder.layer.11…query.weight" (a start that ends
+ * with the layer number is cut at its own start, so the number stays). CSS only (.midname in
+ * style.css), so it follows any resize; the text content is the whole name and the title shows it.
+ * `cls`: more classes for the outer span.
+ */
+export function midName(name, cls = '') {
+  const s = String(name);
+  const [at, numbered] = nameSplit(s);
+  const tail = s.slice(at);
+  const node = el('span', { class: ['midname', numbered ? 'numbered' : '', cls].filter(Boolean).join(' '), title: s },
+    el('span', { class: 'mid-head' }, el('bdi', {}, s.slice(0, at))), el('span', { class: 'mid-tail' }, el('bdi', {}, tail)));
+  node.style.setProperty('--tail-min', `${Math.min(tail.length, MID_TAIL_MIN_CH)}ch`);
+  return node;
+}

@@ -19,6 +19,7 @@ export class Heatmap {
     Object.assign(this, parts);  // canvas, wrap, buttons, labels, onHover (see app.js)
     this.settings = { agg: 'absmax', cmap: 'viridis', norm: 'linear', clip: 1 };
     this.source = null;
+    this.failed = false;  // the last request failed: draw nothing until a tile arrives
     this.slice = new ViewSlice();
     this.camera = new Camera(this.canvas);
     this.renderer = new Renderer(this.canvas, this.camera.dpr,
@@ -75,7 +76,9 @@ export class Heatmap {
     const sameTensor = this.source && source && this.source.tensorKey === source.tensorKey
       && JSON.stringify(this.source.dims) === JSON.stringify(source.dims);
     this.source = source;
+    this.failed = false;
     this.tiles.clear();
+    this.renormalise();  // the legend goes with the tiles
     this.readout.reset();
     this.setMessage('');
     if (!source) {
@@ -100,7 +103,9 @@ export class Heatmap {
       try {
         [H, W] = await probeViewShape(source.endpoint, { ...source.params, ...this.slice.params() });
       } catch (err) {
-        if (this.tiles.isCurrent(generation)) this.showError(err);
+        if (!this.tiles.isCurrent(generation)) return;
+        camera.H = camera.W = 0;  // no view to pan over: the previous one is not this tensor's
+        this.showError(err);
         return;
       }
       if (!this.tiles.isCurrent(generation)) return;
@@ -214,6 +219,7 @@ export class Heatmap {
   }
 
   tileArrived(tile) {
+    this.failed = false;
     this.setMessage('');
     this.renormalise();
     this.updateBadge();
@@ -242,7 +248,7 @@ export class Heatmap {
 
   draw() {
     const { source, camera, readout } = this;
-    this.renderer.draw(source && camera.W ? {
+    this.renderer.draw(source && camera.W && !this.failed ? {
       camera, layers: this.tiles.layers, settings: this.settings,
       boxes: this.slice.chunkBoxes(source.chunks), hotChunk: readout.hotChunk, hoverBlock: readout.block,
     } : null);
@@ -260,10 +266,17 @@ export class Heatmap {
     this.messageEl.textContent = text;
   }
 
+  /** Show a failed request: the canvas is cleared, so no earlier image stands under the error. */
   showError(err) {
     const status = err.status ? ` (HTTP ${err.status})` : '';
-    this.setMessage(`Could not load the tile${status}: ${err.message}`, { error: true });
+    this.failed = true;
+    this.tiles.clear();
+    this.renormalise();
+    this.readout.clear();
+    this.draw();
     this.updateBadge();
+    this.updateZoomLabel();
+    this.setMessage(`Could not load the tile${status}: ${err.message}`, { error: true });
   }
 
   /** A snapshot for tests and for the URL. */

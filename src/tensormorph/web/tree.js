@@ -7,7 +7,7 @@
 // instance, so the tensors you open are the real ones of that layer.
 
 import { VirtualList } from './virtual.js';
-import { bytes, count, dtypeColour, el, shape as fmtShape, percent } from './format.js';
+import { bytes, count, dtypeColour, el, midName, shape as fmtShape, percent } from './format.js';
 
 const ROW_HEIGHT = 26;
 
@@ -255,7 +255,7 @@ export class TreeView {
       const sharded = t.chunk_count > 1 && !t.file_shard;
       return el('div', { class: classes.join(' '), 'data-testid': 'tensor-row', 'data-name': t.name, 'data-index': i, title: `${t.name}\n${t.split}` },
         el('span', { class: 'name', style: { paddingLeft: '10px' } },
-          el('span', { class: 'label tail' }, el('bdi', {}, t.name)), el('span', { class: 'tags' }, ...this.tags(sharded, t.files.length > 1, t))),
+          midName(t.name, 'label'), el('span', { class: 'tags' }, ...this.tags(sharded, t.files.length > 1, t))),
         el('span', { class: 'num' }, fmtShape(t.shape)),
         el('span', { class: 'num' }, bytes(t.nbytes)),
         el('span', { class: 'dt' }, t.dtype));
