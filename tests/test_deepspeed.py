@@ -574,7 +574,13 @@ def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
                 and a.shape == b.shape and bool(torch.equal(a, b)))
-    return type(a) is type(b) and a == b
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):  # lists of tensors (fp32 partitions): compared item by item
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    return a == b
 
 
 def read_all(ckpt: Path) -> dict[str, np.ndarray]:

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from .errors import CheckpointError
-from .storage import create_new, open_regular, read_capped
+from .storage import create_new, read_small
 
 DISK_CACHE_BYTES = 256 * 1024**2  # default cap of the disk cache folder (`view --cache-size`)
 MEMORY_CACHE_BYTES = 64 * 1024**2  # tiles one viewer keeps in memory
@@ -53,11 +53,8 @@ class TileCache:
             return data
         try:
             if data is None:
-                fd = open_regular(path)  # never a FIFO or device planted in the cache folder, never unbounded
-                try:
-                    data = read_capped(fd, self.disk_bytes)
-                finally:
-                    os.close(fd)
+                # never a FIFO or device planted in the cache folder, never unbounded
+                data = read_small(path, self.disk_bytes)
                 if data is None:
                     return None
                 self._remember(key, data)

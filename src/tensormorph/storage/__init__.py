@@ -20,11 +20,12 @@ from .local import (
     parse_json,
     read_capped,
     read_head,
+    read_small,
 )
 from .remote import RemoteFiles, is_url, local_path
 
 __all__ = ["MAX_JSON_VALUES", "NEW_FILE_FLAGS", "ByteStore", "LocalFiles", "MappableStore", "RemoteFiles",
-           "create_new", "is_url", "local_path", "open_regular", "parse_json", "read_capped", "read_head"]
+           "create_new", "is_url", "local_path", "open_regular", "parse_json", "read_capped", "read_head", "read_small"]
 
 Run = tuple[int, int]  # [begin, end) byte offsets in one file
 

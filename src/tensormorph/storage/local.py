@@ -83,6 +83,15 @@ def read_capped(fd: int, cap: int) -> bytes | None:
     return None if total > cap else b"".join(pieces)
 
 
+def read_small(path: Path, cap: int, *, follow: bool = True) -> bytes | None:
+    """The regular file at `path` (see open_regular), or None when it holds more than `cap` bytes."""
+    fd = open_regular(path, follow=follow)
+    try:
+        return read_capped(fd, cap)
+    finally:
+        os.close(fd)
+
+
 def parse_json(raw: bytes, what: str, where: str, **options: Any) -> Any:
     """`raw` parsed as UTF-8 JSON (json.loads `options`: hooks), after bounding what the parse builds by counting
     its values (see MAX_JSON_VALUES); problems are HeaderErrors naming `where`."""
@@ -238,11 +247,7 @@ class LocalFiles:
     def read_json(self, name: str, max_bytes: int, what: str = "file") -> Any:
         """A small JSON file (an index, a config), size-capped and parsed; problems are HeaderErrors."""
         path = self.resolve(name)
-        fd = open_regular(path, follow=False)
-        try:
-            raw = read_capped(fd, max_bytes)
-        finally:
-            os.close(fd)
+        raw = read_small(path, max_bytes, follow=False)
         if raw is None:
             raise HeaderError(f"{what} is over the {max_bytes}-byte limit", file=str(path))
         self.header_bytes_read += len(raw)

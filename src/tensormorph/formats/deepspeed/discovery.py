@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 from ...errors import HeaderError, MissingFileError, UnsupportedError
-from ...storage import LocalFiles, open_regular, read_capped
+from ...storage import LocalFiles, read_small
 
 LATEST = "latest"
 MAX_TAG_BYTES = 4096
@@ -20,11 +19,7 @@ def read_tag(latest: Path) -> str:
     real = latest.resolve()
     if latest.parent.resolve() not in real.parents:
         raise HeaderError(f"is a link to {real}, outside the checkpoint folder", file=str(latest))
-    fd = open_regular(real)  # a FIFO or a device is refused, not waited on or read without end
-    try:
-        raw = read_capped(fd, MAX_TAG_BYTES)
-    finally:
-        os.close(fd)
+    raw = read_small(real, MAX_TAG_BYTES)  # a FIFO or a device is refused, not waited on or read without end
     if raw is None:
         raise HeaderError(f"is over {MAX_TAG_BYTES} bytes; a tag file holds one short line", file=str(latest))
     try:
