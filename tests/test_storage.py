@@ -10,7 +10,7 @@ import fsspec
 import pytest
 
 from tensormorph.errors import MissingFileError, TruncatedFileError, UnsafePathError
-from tensormorph.storage import ByteStore, LocalFiles, MappableStore, RemoteFiles
+from tensormorph.storage import ByteStore, LocalFiles, RemoteFiles
 
 FILES = {"a.bin": bytes(range(256)) * 40, "sub/b.json": b'{"k": [1, 2, 3]}'}
 
@@ -32,7 +32,14 @@ def store(request, tmp_path: Path) -> ByteStore:
 
 def test_both_stores_keep_the_protocol(store: ByteStore):
     assert isinstance(store, ByteStore)
-    assert isinstance(store, MappableStore) == isinstance(store, LocalFiles)
+    assert store.mappable == isinstance(store, LocalFiles)
+    assert store.is_dir() and store.is_dir("sub") and not store.is_dir("a.bin")
+    assert [n for n in store.listdir() if n != "outside"] == ["a.bin", "sub"] and store.listdir("sub") == ["b.json"]
+    assert store.child("sub").read_json("b.json", 1024) == {"k": [1, 2, 3]}
+    assert store.head("a.bin", 5) == FILES["a.bin"][:5] and store.head("nope.bin", 5) == b""
+    whole = store.buffer("a.bin")
+    assert len(whole) == len(FILES["a.bin"]) and bytes(whole[1000:1010]) == FILES["a.bin"][1000:1010]
+    assert whole[7] == FILES["a.bin"][7]
     assert store.list() == sorted(FILES)
     assert store.exists("a.bin") and not store.exists("nope.bin")
     assert store.size("a.bin") == len(FILES["a.bin"])

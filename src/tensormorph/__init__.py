@@ -28,15 +28,21 @@ __all__ = [
 ]  # save, load and plan load on first use (torch for the first two) and stay out of `import *`
 
 
-def open(path: str | Path, format: str | None = None, *, read_budget: int = DEFAULT_READ_BUDGET) -> Checkpoint:
+def open(path: str | Path, format: str | None = None, *, read_budget: int = DEFAULT_READ_BUDGET,
+         storage_options: dict[str, Any] | None = None, cache: str | Path | bool | None = True) -> Checkpoint:
     """Open a checkpoint file or folder of any supported format as one logical checkpoint.
+
+    `path` is a local path or a URL: s3://, gs://, az://, memory:// (any fsspec protocol, with its
+    `storage_options`: credentials, endpoint), or https:// to the file that names the others (docs/remote.md).
+    Remote reads fetch only the byte ranges they need and keep them in the on-disk range cache (`cache`: its
+    folder, True for the default one, False for none).
 
     `format` forces a reader ("safetensors", "hf-sharded", "torch", "dcp", "dcp-safetensors",
     "tensormorph", "deepspeed", "deepspeed-universal", "megatron-torch-dist", "gguf"); by default
     the format is detected from the content. Reads larger than `read_budget`
     bytes raise BudgetExceededError unless forced.
     """
-    return open_checkpoint(path, format, read_budget=read_budget)
+    return open_checkpoint(path, format, read_budget=read_budget, storage_options=storage_options, cache=cache)
 
 
 # torch-dependent entry points load on first use, so `import tensormorph` stays torch-free.

@@ -16,15 +16,15 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
 from . import dtypes
 from .errors import BudgetExceededError, CheckpointError, TensorNotFoundError
 from .geometry import byte_runs
-from .storage import MappableStore
+from .storage import AnyPath, ByteStore
+from .storage.strided import read_strided
 from .units import human_bytes
 
 DEFAULT_READ_BUDGET = 2 * 1024**3
@@ -52,7 +52,7 @@ class ChunkSource(Protocol):
 class MappedArray:
     """A chunk stored raw at a byte offset of a file (safetensors, torch storages)."""
 
-    files: MappableStore
+    files: ByteStore
     file: str
     offset: int
     dtype: np.dtype
@@ -60,10 +60,15 @@ class MappedArray:
     strides: tuple[int, ...] | None = None  # in elements; None means C-contiguous
 
     def array(self) -> np.ndarray:
-        buffer = self.files.buffer(self.file)
         if math.prod(self.shape) == 0:
             return np.empty(self.shape, self.dtype)
+        if not self.files.mappable:  # remote: the whole chunk, fetched
+            return self._fetch(tuple(slice(0, n, 1) for n in self.shape))
+        buffer = cast(memoryview, self.files.buffer(self.file))  # a mappable store's buffer is a memory map
         return np.ndarray(self.shape, self.dtype, buffer=buffer, offset=self.offset, strides=self._byte_strides())
+
+    def _fetch(self, index: tuple[slice, ...]) -> np.ndarray:
+        return read_strided(self.files, self.file, self.offset, self.shape, self._byte_strides(), self.dtype, index)
 
     def advise(self, index: tuple[slice, ...], advice: str) -> None:
         """Tell the kernel which bytes a read of `index` needs ("willneed") or no longer needs ("dontneed")."""
@@ -74,8 +79,14 @@ class MappedArray:
         """Read `index` straight from the file into `target` when both are one contiguous run of bytes.
 
         Large sequential reads run at the disk's rate this way, without faulting pages in through the
-        memory map. Returns False (and does nothing) when the layout does not allow it.
+        memory map. Returns False (and does nothing) when the layout does not allow it. From a remote store it
+        always reads: exactly the bytes of each row of the region.
         """
+        if not self.files.mappable:
+            if not isinstance(target, np.ndarray):  # a 0-d result's element: the caller assigns the array read
+                return False
+            target[...] = self._fetch(index)
+            return True
         if target.dtype != self.dtype or not target.flags.c_contiguous or target.nbytes < DIRECT_READ_MIN:
             return False
         runs = byte_runs(self.offset, self.shape, self._byte_strides(), self.dtype.itemsize, index)
@@ -302,13 +313,13 @@ def in_memory(value: Any) -> Callable[[], Any]:
 class Checkpoint(Mapping[str, LogicalTensor]):
     """One logical checkpoint, whatever the files and ranks it is stored in."""
 
-    path: Path
+    path: AnyPath  # a local Path, or a RemotePath for a checkpoint under a URL
     format: str
     tensors: Mapping[str, LogicalTensor]
     objects: Mapping[str, ObjectEntry] = field(default_factory=dict)
     metadata: Mapping[str, Any] = field(default_factory=dict)
     files: tuple[str, ...] = ()  # data files, relative to the checkpoint folder
-    storage: MappableStore | None = field(default=None, repr=False)  # every reader opens a checkpoint on one
+    storage: ByteStore | None = field(default=None, repr=False)  # every reader opens a checkpoint on one
 
     @cached_property
     def _name_orders(self) -> tuple[list[str], list[str]]:
@@ -340,7 +351,7 @@ class Checkpoint(Mapping[str, LogicalTensor]):
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
-    def require_storage(self) -> MappableStore:
+    def require_storage(self) -> ByteStore:
         """The byte store its reader opened it on; CheckpointError for a Checkpoint built without one."""
         if self.storage is None:
             raise CheckpointError("has no byte store: it was not opened by a format reader", file=str(self.path))

@@ -90,3 +90,7 @@ class TensorNotFoundError(CheckpointError, KeyError):
 
 class MissingDependencyError(CheckpointError):
     """A feature needs an optional dependency (an extra) that is not installed."""
+
+
+class AccessDeniedError(CheckpointError):
+    """A remote store refuses access to a file (401/403): the credentials are missing or do not allow it."""

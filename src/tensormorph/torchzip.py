@@ -21,7 +21,7 @@ import math
 import struct
 import zipfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, overload
 
 from . import dtypes, safe_pickle
 from .errors import CheckpointError, ChecksumError, HeaderError, TruncatedFileError, UnsafePickleError, UnsupportedError
@@ -187,10 +187,22 @@ _TENSOR_TYPE = object()
 _PARAMETER_TYPE = object()
 
 
-class BufferFile(io.RawIOBase):
-    """A seekable read-only file over a memoryview, so zipfile reads only what it needs."""
+class Sliceable(Protocol):
+    """An archive's bytes: a memoryview of a mapped file, or a remote file that fetches the slices asked for."""
 
-    def __init__(self, buffer: memoryview):
+    def __len__(self) -> int: ...
+
+    @overload
+    def __getitem__(self, key: int) -> int: ...
+
+    @overload
+    def __getitem__(self, key: slice) -> bytes | memoryview: ...
+
+
+class BufferFile(io.RawIOBase):
+    """A seekable read-only file over a Sliceable, so zipfile reads only what it needs."""
+
+    def __init__(self, buffer: Sliceable):
         self._buffer = buffer
         self._position = 0
 
@@ -219,7 +231,7 @@ def is_torch_zip(head: bytes) -> bool:
     return head[:4] == b"PK\x03\x04"
 
 
-def load(buffer: memoryview, *, file: str, item: str | None = None,
+def load(buffer: Sliceable, *, file: str, item: str | None = None,
          extra_globals: safe_pickle.Globals | None = None, check_expansion: bool = True) -> Any:
     """The object tree of a torch.save archive held in `buffer`, tensors as TensorRefs.
 
@@ -240,7 +252,7 @@ def load(buffer: memoryview, *, file: str, item: str | None = None,
                           file=file, tensor=item) from None
 
 
-def _load(buffer: memoryview, file: str, item: str | None, extra_globals: safe_pickle.Globals,
+def _load(buffer: Sliceable, file: str, item: str | None, extra_globals: safe_pickle.Globals,
           budgets: tuple[ExpansionBudget, ReuseBudget] | tuple[()]) -> Any:
     if len(buffer) >= 2 and buffer[0] == 0x80 and not is_torch_zip(bytes(buffer[:4])):
         raise UnsupportedError(
@@ -319,7 +331,7 @@ def _load(buffer: memoryview, file: str, item: str | None, extra_globals: safe_p
     return safe_pickle.loads(pickle_bytes, allowed, persistent=persistent, file=file)
 
 
-def check_crc(buffer: memoryview, *, file: str, item: str | None = None) -> None:
+def check_crc(buffer: Sliceable, *, file: str, item: str | None = None) -> None:
     """Raise ChecksumError when a record of the archive does not match the CRC-32 the zip recorded.
 
     The records' declared sizes must add up to at most the archive (plus a compressed data.pkl's limit), so
@@ -340,7 +352,7 @@ def check_crc(buffer: memoryview, *, file: str, item: str | None = None) -> None
                             record=bad)
 
 
-def _data_offset(buffer: memoryview, record: zipfile.ZipInfo) -> int:
+def _data_offset(buffer: Sliceable, record: zipfile.ZipInfo) -> int:
     """Where a stored record's data starts: past its local header, whose extra field may differ from the central one."""
     start = record.header_offset
     local = bytes(buffer[start:start + 30])

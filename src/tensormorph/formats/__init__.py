@@ -13,9 +13,11 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from ..core import DEFAULT_READ_BUDGET, Checkpoint
 from ..errors import CheckpointError, MissingFileError, UnknownFormatError
+from ..storage import AnyPath, RemotePath, as_path, is_url, remote_cache
 from . import (
     dcp,
     dcp_safetensors,
@@ -58,7 +60,7 @@ def _collection_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _detect(path: Path) -> tuple[FormatReader, Detection] | None:
+def _detect(path: AnyPath) -> tuple[FormatReader, Detection] | None:
     for reader in READERS:
         found = reader.detect(path)
         if found is not None:
@@ -66,9 +68,9 @@ def _detect(path: Path) -> tuple[FormatReader, Detection] | None:
     return None
 
 
-def detect(path: str | Path) -> str | None:
-    """The format name of the checkpoint at `path`, judged by content; None when unknown."""
-    found = _detect(Path(path))
+def detect(path: str | Path | RemotePath, *, storage_options: dict[str, Any] | None = None) -> str | None:
+    """The format name of the checkpoint at `path` (a local path or a URL), judged by content; None when unknown."""
+    found = _detect(as_path(path, storage_options))
     return found[0].NAME if found is not None else None
 
 
@@ -77,14 +79,19 @@ def reader_of(checkpoint: Checkpoint) -> FormatReader:
     return BY_NAME[checkpoint.format]
 
 
-def open_checkpoint(path: str | Path, format: str | None = None, *,
-                    read_budget: int = DEFAULT_READ_BUDGET) -> Checkpoint:
-    """Open a checkpoint file or folder as one logical checkpoint (`tensormorph.open`)."""
-    path = Path(path)
-    if not path.exists():
-        raise MissingFileError("no such file or folder", file=str(path))
-    if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
-        raise CheckpointError("cannot be read: permission denied", file=str(path))
+def open_checkpoint(path: str | Path | RemotePath, format: str | None = None, *,
+                    read_budget: int = DEFAULT_READ_BUDGET, storage_options: dict[str, Any] | None = None,
+                    cache: str | Path | bool | None = True) -> Checkpoint:
+    """Open a checkpoint file or folder as one logical checkpoint (`tensormorph.open`).
+
+    `path` is a local path or a URL (s3://, gs://, az://, memory://, https://, any fsspec protocol); fsspec's
+    `storage_options` (credentials, endpoint) pass through to its client. Remote bytes are kept in the on-disk
+    range cache: `cache` is its folder, True for the default one (see range_cache), False or None for none."""
+    path = as_path(path, storage_options, remote_cache(cache) if isinstance(path, str) and is_url(path) else None)
+    if isinstance(path, Path):
+        _check_local(path)
+    elif not path.exists():
+        raise MissingFileError("no such object or folder", file=str(path))
     if format is not None:
         if format not in BY_NAME:
             raise UnknownFormatError(f"unknown format {format!r}; known: {', '.join(BY_NAME)}", file=str(path))
@@ -106,6 +113,13 @@ def open_checkpoint(path: str | Path, format: str | None = None, *,
         checkpoint = replace(checkpoint,
                              tensors={n: t.with_budget(read_budget) for n, t in checkpoint.tensors.items()})
     return checkpoint
+
+
+def _check_local(path: Path) -> None:
+    if not path.exists():
+        raise MissingFileError("no such file or folder", file=str(path))
+    if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+        raise CheckpointError("cannot be read: permission denied", file=str(path))
 
 
 def opened(source: str | Path | Checkpoint, stack: ExitStack) -> Checkpoint:

@@ -4,25 +4,25 @@
 instead of searching and reading again; `tm.open(path, format=...)` skips detection and hands `open`
 a Detection of the bare path. Readers return data (a `Checkpoint` of frozen records) and read bytes
 only through the checkpoint's byte store: `open` makes the store, and everything after it uses only the
-`storage.ByteStore` / `MappableStore` protocols, never asking which store it has.
+`storage.ByteStore` / `ByteStore` protocols, never asking which store it has.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from ..core import Checkpoint
 from ..errors import CheckpointError
+from ..storage import AnyPath
 
 
 @dataclass(frozen=True)
 class Detection:
     """What a reader's `detect` found at `path`: the file or folder it judged, and what it parsed on the way."""
 
-    path: Path
+    path: AnyPath
     found: Any = None  # reader-specific (the key file, the split set ...); None when detection was skipped
 
 
@@ -34,7 +34,7 @@ class FormatReader(Protocol):
 
     NAME: str
 
-    def detect(self, path: Path) -> Detection | None:
+    def detect(self, path: AnyPath) -> Detection | None:
         """A Detection when the content at `path` is this format, else None; never raises for foreign input."""
         ...
 

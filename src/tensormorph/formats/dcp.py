@@ -23,8 +23,8 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
-from pathlib import Path, PurePosixPath
-from typing import Any
+from pathlib import PurePosixPath
+from typing import Any, cast
 
 import numpy as np
 import zstandard
@@ -42,7 +42,7 @@ from ..errors import (
 )
 from ..pickle_work import KeyHashes
 from ..shapes import MAX_DIMS, MAX_OFFSET, check_offset, check_shape, describe
-from ..storage import ByteStore, LocalFiles, MappableStore
+from ..storage import AnyPath, ByteStore, entries, read_head, store_at
 from ..tiling import validate_tiling
 from ..units import human_bytes
 from .contract import Detection
@@ -80,7 +80,7 @@ def _metadata_globals() -> dict[tuple[str, str], Any]:
     return table
 
 
-def _metadata_files(path: Path) -> list[Path]:
+def _metadata_files(path: AnyPath) -> list[AnyPath]:
     if path.is_file():
         return [path] if path.name == METADATA_FILE or PER_RANK_METADATA.match(path.name) else []
     if not path.is_dir():
@@ -88,19 +88,15 @@ def _metadata_files(path: Path) -> list[Path]:
     single = path / METADATA_FILE
     if single.is_file():
         return [single]
-    return sorted(p for p in path.iterdir() if PER_RANK_METADATA.match(p.name) and p.is_file())
+    return [p for p in entries(path) if PER_RANK_METADATA.match(p.name) and p.is_file()]
 
 
-def detect(path: Path) -> Detection | None:
+def detect(path: AnyPath) -> Detection | None:
     """The metadata file(s) at `path`, when the first is a pickle of DCP's Metadata."""
     candidates = _metadata_files(path)
     if not candidates:
         return None
-    try:
-        with candidates[0].open("rb") as f:
-            head = f.read(256)
-    except OSError:
-        return None
+    head = read_head(candidates[0], 256)
     return Detection(path, candidates) if head[:1] == b"\x80" and b"torch.distributed.checkpoint" in head else None
 
 
@@ -116,7 +112,7 @@ class _Item:
 class DcpItemArray:
     """A tensor chunk stored as a torch.save archive at (offset, length) of a .distcp file."""
 
-    files: MappableStore
+    files: ByteStore
     item: _Item
     name: str
     dtype: str
@@ -130,7 +126,7 @@ class DcpItemArray:
     def array(self) -> np.ndarray:
         if not self.item.transforms:
             return self._mapped().array()
-        buffer = self.archive()  # decompressed: held in memory only for this read
+        buffer = cast(memoryview, self.archive())  # decompressed into memory, held only for this read
         ref = self._parse(buffer)
         if math.prod(ref.shape) == 0:
             return np.empty(ref.shape, dtypes.numpy_dtype(ref.dtype))
@@ -154,7 +150,7 @@ class DcpItemArray:
             self._cache["mapped"] = mapped
         return mapped
 
-    def archive(self) -> memoryview:
+    def archive(self) -> torchzip.Sliceable:
         """The item's torch.save archive: a view of the mapped data file, or decompressed when transformed."""
         nbytes = math.prod(self.shape) * dtypes.itemsize(self.dtype)
         if self.item.transforms and nbytes > self.budget:
@@ -164,7 +160,7 @@ class DcpItemArray:
                 file=self._path, tensor=self.name)
         return _item_bytes(self.files, self.item, self.name, size=(nbytes, nbytes + ZIP_OVERHEAD_ALLOWANCE))
 
-    def _parse(self, buffer: memoryview) -> torchzip.TensorRef:
+    def _parse(self, buffer: torchzip.Sliceable) -> torchzip.TensorRef:
         ref = _single_tensor(torchzip.load(buffer, file=self._path, item=self.name), self._path, self.name)
         if ref.dtype != self.dtype or ref.shape != self.shape:
             raise HeaderError(f"item holds {ref.dtype}{list(ref.shape)}, but .metadata declares "
@@ -182,12 +178,15 @@ def _single_tensor(value: Any, file: str, name: str) -> torchzip.TensorRef:
     return value
 
 
-def _item_bytes(files: MappableStore, item: _Item, name: str, *, size: tuple[int, int]) -> memoryview:
-    """The item's archive bytes: a view of the mapped file, or, when transformed, decompressed into a buffer of
-    `size` = (fewest, most) bytes: HeaderError when the item decompresses to fewer or more."""
-    raw = files.buffer(item.file)[item.offset:item.offset + item.length]
+def _item_bytes(files: ByteStore, item: _Item, name: str, *, size: tuple[int, int]) -> torchzip.Sliceable:
+    """The item's archive bytes: a view of the mapped file (or a lazily fetched window of a remote one), or, when
+    transformed, decompressed into a buffer of `size` = (fewest, most) bytes: HeaderError when the item
+    decompresses to fewer or more."""
+    whole = files.buffer(item.file)
+    end = item.offset + item.length
     if not item.transforms:
-        return raw
+        return whole[item.offset:end] if isinstance(whole, memoryview) else whole.view(item.offset, end)
+    raw = memoryview(whole[item.offset:end])  # a compressed frame is read whole
     path = files.describe(item.file)
     if not all(t.startswith("stream.zstd/") for t in item.transforms):
         raise UnsupportedError(f"item uses transforms {list(item.transforms)}; only zstd ('stream.zstd/1') is "
@@ -225,7 +224,7 @@ def _decompress(frame: memoryview, size: tuple[int, int], path: str, name: str) 
     return target[:written]
 
 
-def _decode_object(files: MappableStore, item: _Item, name: str) -> Any:
+def _decode_object(files: ByteStore, item: _Item, name: str) -> Any:
     path = files.describe(item.file)
     value = torchzip.load(_item_bytes(files, item, name, size=(0, MAX_OBJECT_BYTES)), file=path, item=name)
     if not safe_pickle.is_plain(value):
@@ -344,7 +343,7 @@ def open(detection: Detection) -> Checkpoint:
     if not metadata_paths:
         raise HeaderError("no .metadata file: not a finished DCP checkpoint", file=str(detection.path))
     root, where = metadata_paths[0].parent, str(metadata_paths[0])
-    files: MappableStore = LocalFiles(root)
+    files = store_at(root)
     parsed = _parse(files, [p.name for p in metadata_paths], where)
     records, state, storage = parsed.records, parsed.state, parsed.storage
 
@@ -423,7 +422,7 @@ def _item(info: Any, files: ByteStore, where: str, fqn: str) -> _Item:
     return _Item(relative, offset, length, tuple(transforms))
 
 
-def _tensor(fqn: str, entry: Any, storage: dict, files: MappableStore, where: str) -> LogicalTensor:
+def _tensor(fqn: str, entry: Any, storage: dict, files: ByteStore, where: str) -> LogicalTensor:
     dtype = _dtype_of(getattr(entry, "properties", None), where, fqn)
     shape = _ints(getattr(entry, "size", None), "size", where, fqn)
     chunks = []

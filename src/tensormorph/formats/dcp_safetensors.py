@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 from ..core import Checkpoint, Chunk, LogicalTensor
 from ..errors import HeaderError
-from ..storage import LocalFiles, MappableStore
+from ..storage import AnyPath, entries, probe, read_head, store_at
 from ..tiling import validate_tiling
 from . import safetensors as st
 from .contract import Detection, no_checksums
@@ -23,25 +22,27 @@ from .contract import Detection, no_checksums
 NAME = "dcp-safetensors"
 
 SHARDING_KEY = "DCP_SHARDING_INFO"
+DETECT_BYTES = 64 * 1024  # the first read of a candidate file: most headers fit in it
 RANK_FILE = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
 
 
-def _files(path: Path) -> list[Path]:
+def _files(path: AnyPath) -> list[AnyPath]:
     if path.is_file():
         return [path]
-    return sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    return entries(path, "*.safetensors") if path.is_dir() else []
 
 
-def _has_sharding_info(path: Path) -> bool:
+def _has_sharding_info(path: AnyPath) -> bool:
+    head, size = probe(path, DETECT_BYTES)
     if not st.looks_like_safetensors(path):
         return False
-    with path.open("rb") as f:
-        head = f.read(8)
-        length = int.from_bytes(head, "little")
-        return SHARDING_KEY.encode() in f.read(min(length, st.MAX_HEADER_BYTES))
+    length = min(int.from_bytes(head[:8], "little"), st.MAX_HEADER_BYTES)
+    if 8 + length > len(head) < size:  # a header longer than the first read: read it whole
+        head = read_head(path, 8 + length)
+    return SHARDING_KEY.encode() in head[8:8 + length]
 
 
-def detect(path: Path) -> Detection | None:
+def detect(path: AnyPath) -> Detection | None:
     """The safetensors files at `path`, when the first carries DCP's sharding info."""
     candidates = _files(path)
     return Detection(path, candidates) if candidates and _has_sharding_info(candidates[0]) else None
@@ -54,7 +55,7 @@ def open(detection: Detection) -> Checkpoint:
     path = detection.path
     candidates = detection.found or _files(path)
     root = path if path.is_dir() else path.parent
-    files: MappableStore = LocalFiles(root)
+    files = store_at(root)
     pieces: dict[str, list[Chunk]] = {}
     dtypes: dict[str, tuple[str, str]] = {}
     file_metadata = {}

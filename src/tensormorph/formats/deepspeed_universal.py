@@ -12,13 +12,13 @@ from the model-states copy, objects from the model states and `optimizer.<key>`.
 
 from __future__ import annotations
 
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Any
 
 from .. import torchzip
 from ..core import Checkpoint, LogicalTensor, ObjectEntry
 from ..errors import CheckpointError, HeaderError
-from ..storage import LocalFiles, MappableStore
+from ..storage import AnyPath, ByteStore, entries, store_at
 from . import deepspeed
 from .contract import Detection
 from .torch_pickle import tensor_chunk
@@ -31,24 +31,24 @@ MASTER = "fp32"
 OPTIMIZER_FILE = "optimizer_state.pt"
 
 
-def _folder(path: Path) -> Path:
+def _folder(path: AnyPath) -> AnyPath:
     return deepspeed.tag_folder(path, LATEST)
 
 
-def detect(path: Path) -> Detection | None:
+def detect(path: AnyPath) -> Detection | None:
     """The converted folder, when its zero/ folder holds a parameter's fp32.pt."""
     try:
         if not path.is_dir():
             return None
         folder = _folder(path)
         zero = folder / ZERO
-        found = zero.is_dir() and any((p / f"{MASTER}.pt").is_file() for p in zero.iterdir())
+        found = zero.is_dir() and any((p / f"{MASTER}.pt").is_file() for p in entries(zero))
     except (OSError, CheckpointError):
         return None
     return Detection(path, folder) if found else None
 
 
-def _tensor(files: MappableStore, name: str, file: str) -> LogicalTensor:
+def _tensor(files: ByteStore, name: str, file: str) -> LogicalTensor:
     """One parameter's file: a tensor, or {'param': tensor, 'cat_dim': ...} as DeepSpeed writes for stages 1-2."""
     value = deepspeed.load(files, file)
     if isinstance(value, dict):
@@ -61,7 +61,7 @@ def _tensor(files: MappableStore, name: str, file: str) -> LogicalTensor:
 
 def open(detection: Detection) -> Checkpoint:
     folder = detection.found or _folder(detection.path)
-    files: MappableStore = LocalFiles(folder)
+    files = store_at(folder)
     zero = folder / ZERO
     if not zero.is_dir():
         raise HeaderError(f"has no {ZERO}/ folder of per-parameter files", file=str(folder))
@@ -74,8 +74,8 @@ def open(detection: Detection) -> Checkpoint:
 
     tensors: dict[str, LogicalTensor] = {}
     data_files = []
-    for param in sorted(p for p in zero.iterdir() if p.is_dir()):
-        for item in sorted(param.glob("*.pt")):
+    for param in (p for p in entries(zero) if p.is_dir()):
+        for item in entries(param, "*.pt"):
             file = str(PurePosixPath(ZERO, param.name, item.name))
             name = param.name if item.stem == MASTER else f"{deepspeed.STATE_PREFIX}{param.name}.{item.stem}"
             tensor = _tensor(files, name, file)

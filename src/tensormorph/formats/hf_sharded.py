@@ -8,14 +8,12 @@ that holds it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from ..core import Checkpoint, LogicalTensor, ObjectEntry
 from ..errors import CheckpointError, HeaderError, MissingFileError, TensorNotFoundError
-from ..storage import ByteStore, LocalFiles, MappableStore, read_head
+from ..storage import AnyPath, ByteStore, entries, lexists, read_head, store_at
 from . import safetensors as st
 from . import torch_pickle
 from .contract import Detection
@@ -29,26 +27,26 @@ DETECT_BYTES = 1 << 20  # the start of an index searched for "weight_map" when d
 PREFERRED_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
-def _index_file(path: Path) -> Path | None:
+def _index_file(path: AnyPath) -> AnyPath | None:
     if path.is_file():
         return path if path.name.endswith(".index.json") else None
     if not path.is_dir():
         return None
     for name in PREFERRED_INDEXES:
-        if os.path.lexists(path / name):  # whatever it is: a link to a device or a folder is refused on open
+        if lexists(path / name):  # whatever it is: a link to a device or a folder is refused on open
             return path / name
-    others = sorted(path.glob("*.index.json"))
+    others = entries(path, "*.index.json")
     return others[0] if others else None
 
 
-def _unindexed_safetensors(path: Path) -> list[Path]:
+def _unindexed_safetensors(path: AnyPath) -> list[AnyPath]:
     if not path.is_dir():
         return []
-    found = sorted(path.glob("*.safetensors"))
+    found = entries(path, "*.safetensors")
     return found if len(found) > 1 and all(st.looks_like_safetensors(p) for p in found) else []
 
 
-def detect(path: Path) -> Detection | None:
+def detect(path: AnyPath) -> Detection | None:
     """The index file at `path` (by its Hugging Face name, or any *.index.json holding a weight_map), or else the
     folder's several safetensors files."""
     index = _index_file(path)
@@ -58,11 +56,11 @@ def detect(path: Path) -> Detection | None:
     return Detection(path, shards) if shards else None
 
 
-def _is_index(index: Path) -> bool:
+def _is_index(index: AnyPath) -> bool:
     if b'"weight_map"' in read_head(index, DETECT_BYTES):
         return True
     try:  # the key may be spelt with escapes, or come after a large "metadata"
-        content = LocalFiles(index.parent).read_json(index.name, MAX_INDEX_BYTES, "index")
+        content = store_at(index.parent).read_json(index.name, MAX_INDEX_BYTES, "index")
     except CheckpointError:
         return False
     return isinstance(content, dict) and "weight_map" in content
@@ -105,7 +103,7 @@ class _Shard:
     def holds(self) -> dict[str, Any]:
         return self.header.entries if self.header is not None else self.tensors
 
-    def tensor(self, files: MappableStore, shard: str, name: str, file_shard: tuple[int, int]) -> LogicalTensor:
+    def tensor(self, files: ByteStore, shard: str, name: str, file_shard: tuple[int, int]) -> LogicalTensor:
         if self.header is None:
             return replace(self.tensors[name], file_shard=file_shard)
         entry = self.header.entries[name]
@@ -115,18 +113,18 @@ class _Shard:
 
 def open(detection: Detection) -> Checkpoint:
     path, found = detection.path, detection.found
-    index = found if isinstance(found, Path) else _index_file(path) if found is None else None
+    index = None if isinstance(found, list) else found if found is not None else _index_file(path)
     if index is None:
         shards = found if isinstance(found, list) else _unindexed_safetensors(path)
         if not shards:
             raise HeaderError("no *.index.json and not a folder of several safetensors files", file=str(path))
         root, weight_map = path, None
         metadata: dict[str, Any] = {}
-        files: MappableStore = LocalFiles(root)
+        files = store_at(root)
         shard_names = [p.name for p in shards]
     else:
         root = index.parent
-        files = LocalFiles(root)
+        files = store_at(root)
         weight_map, metadata = read_index(files, index.name)
         shard_names = list(dict.fromkeys(weight_map.values()))
     by_shard: dict[str, list[str]] = {}
@@ -137,7 +135,7 @@ def open(detection: Detection) -> Checkpoint:
     objects: dict[str, ObjectEntry] = {}
     file_metadata: dict[str, dict[str, str]] = {}
     numbers = {name: k for k, name in enumerate(sorted(shard_names), start=1)}  # "shard k of n" follows file names
-    read: dict[tuple[int, int], _Shard] = {}  # by (device, inode): a file behind many names is read once
+    read: dict[str, _Shard] = {}  # by resolved path: a file behind many names is read once
     for shard in shard_names:
         file_shard = (numbers[shard], len(shard_names))
         if not files.exists(shard):
@@ -174,9 +172,8 @@ def open(detection: Detection) -> Checkpoint:
 checksum_problems = torch_pickle.checksum_problems  # .bin shards are torch.save zips; safetensors records none
 
 
-def _read_shard(files: MappableStore, shard: str, read: dict[tuple[int, int], _Shard]) -> _Shard:
-    status = os.stat(files.describe(shard))
-    key = (status.st_dev, status.st_ino)
+def _read_shard(files: ByteStore, shard: str, read: dict[str, _Shard]) -> _Shard:
+    key = files.describe(shard)  # the resolved path (or URL): links to one file share it
     if key not in read:
         if shard.endswith(".safetensors") or st.holds_safetensors(files, shard):
             read[key] = _Shard(st.read_header(files, shard), {}, {})

@@ -12,13 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from .. import safe_pickle, torchzip
 from ..core import Checkpoint, ObjectEntry
 from ..errors import CheckpointError, HeaderError, MissingFileError, UnsafePickleError, UnsupportedError
-from ..storage import ByteStore, LocalFiles, MappableStore
+from ..storage import AnyPath, ByteStore, store_at
 from . import dcp
 from .contract import Detection
 
@@ -51,18 +50,18 @@ COMMON_GLOBALS: safe_pickle.Globals = {
 }
 
 
-def _folder(path: Path) -> Path:
+def _folder(path: AnyPath) -> AnyPath:
     return path if path.is_dir() else path.parent
 
 
-def detect(path: Path) -> Detection | None:
+def detect(path: AnyPath) -> Detection | None:
     """The checkpoint folder, when its metadata.json names a sharded backend."""
     if not path.is_dir() and path.name not in (CONFIG_FILE, COMMON_FILE, dcp.METADATA_FILE):
         return None
     if not (_folder(path) / CONFIG_FILE).is_file():
         return None
     try:  # confined to the folder and capped, like every file a reader opens
-        content = LocalFiles(_folder(path)).read_json(CONFIG_FILE, MAX_CONFIG_BYTES, CONFIG_FILE)
+        content = store_at(_folder(path)).read_json(CONFIG_FILE, MAX_CONFIG_BYTES, CONFIG_FILE)
     except CheckpointError:
         return None
     return Detection(path, _folder(path)) if isinstance(content, dict) and "sharded_backend" in content else None
@@ -83,7 +82,7 @@ def read_config(files: ByteStore) -> dict[str, Any]:
 
 def open(detection: Detection) -> Checkpoint:
     folder = detection.found or _folder(detection.path)
-    config_files: ByteStore = LocalFiles(folder)  # the DCP reader opens the checkpoint's own store below
+    config_files = store_at(folder)  # the DCP reader opens the checkpoint's own store below
     config = read_config(config_files)
     backend = config["sharded_backend"]
     if backend != SUPPORTED_BACKEND:
@@ -109,7 +108,7 @@ def _one_piece(entry: ObjectEntry) -> Any:
     return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
-def _common_objects(files: MappableStore) -> dict[str, ObjectEntry]:
+def _common_objects(files: ByteStore) -> dict[str, ObjectEntry]:
     """One object per top-level key of common.pt; when it cannot be read, one object whose value raises why."""
     path = files.describe(COMMON_FILE)
     if not files.exists(COMMON_FILE):

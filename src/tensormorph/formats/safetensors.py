@@ -11,17 +11,15 @@ list), and dimensions stay below 2**62 (numpy's limit).
 from __future__ import annotations
 
 import math
-import os
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from .. import dtypes
 from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray
 from ..errors import CheckpointError, HeaderError, TruncatedFileError
 from ..shapes import check_shape, describe
-from ..storage import ByteStore, LocalFiles, MappableStore, open_regular, parse_json
+from ..storage import AnyPath, ByteStore, entries, parse_json, probe, store_at
 from .contract import Detection, no_checksums
 
 NAME = "safetensors"
@@ -50,21 +48,12 @@ class Header:
     data_start: int
 
 
-def looks_like_safetensors(path: Path) -> bool:
+def looks_like_safetensors(path: AnyPath) -> bool:
     """True when `path` is a regular file that starts with a plausible header length followed by '{'."""
-    try:
-        fd = open_regular(path)
-    except (OSError, CheckpointError):
-        return False
-    try:
-        return _plausible(os.pread(fd, 9, 0), os.fstat(fd).st_size)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
+    return _plausible(*probe(path, 9))
 
 
-def holds_safetensors(files: MappableStore, name: str) -> bool:
+def holds_safetensors(files: ByteStore, name: str) -> bool:
     """`looks_like_safetensors` for a file of a store (its first page, mapped)."""
     try:
         buffer = files.buffer(name)
@@ -222,7 +211,7 @@ def _check_layout(path: str, entries: dict[str, Entry], data_start: int, size: i
                           "refuses such a file)", file=path)
 
 
-def whole_chunk(files: MappableStore, entry: Entry, file: str, *, offsets: tuple[int, ...] | None = None,
+def whole_chunk(files: ByteStore, entry: Entry, file: str, *, offsets: tuple[int, ...] | None = None,
                 ranks: tuple[int, ...] = ()) -> Chunk:
     """A chunk for one header entry, placed at `offsets` of its logical tensor (origin by default)."""
     return Chunk(
@@ -235,10 +224,10 @@ def whole_chunk(files: MappableStore, entry: Entry, file: str, *, offsets: tuple
     )
 
 
-def detect(path: Path) -> Detection | None:
+def detect(path: AnyPath) -> Detection | None:
     """The one .safetensors file at `path` (itself, or the only one in a folder)."""
     if path.is_dir():
-        candidates = list(path.glob("*.safetensors"))
+        candidates: list[AnyPath] = entries(path, "*.safetensors")
         found = candidates[0] if len(candidates) == 1 and looks_like_safetensors(candidates[0]) else None
     else:
         found = path if looks_like_safetensors(path) else None
@@ -251,12 +240,12 @@ checksum_problems = no_checksums  # safetensors records no checksums
 def open(detection: Detection) -> Checkpoint:
     path = file_path = detection.found or detection.path
     if path.is_dir():
-        candidates = sorted(path.glob("*.safetensors"))
+        candidates: list[AnyPath] = entries(path, "*.safetensors")
         if len(candidates) != 1:
             raise HeaderError(f"expected exactly one .safetensors file in the folder, found {len(candidates)}",
                               file=str(path))
         file_path = candidates[0]
-    files: MappableStore = LocalFiles(file_path.parent)
+    files = store_at(file_path.parent)
     header = read_header(files, file_path.name)
     tensors = {
         e.name: LogicalTensor(e.name, e.dtype, e.shape, (whole_chunk(files, e, file_path.name),))

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ..core import Checkpoint
+from ..storage import AnyPath
 from ..tmformat.checkpoint import checksum_problems, is_checkpoint_folder, open_folder, root_of
 from ..tmformat.manifest import FORMAT
 from .contract import Detection
@@ -14,7 +13,7 @@ __all__ = ["NAME", "checksum_problems", "detect", "open"]
 NAME = FORMAT
 
 
-def detect(path: Path) -> Detection | None:
+def detect(path: AnyPath) -> Detection | None:
     return Detection(path, root_of(path)) if is_checkpoint_folder(path) else None
 
 

@@ -17,7 +17,6 @@ import io
 import os
 import zipfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
@@ -25,7 +24,7 @@ import numpy as np
 from .. import dtypes, torchzip
 from ..core import Checkpoint, Chunk, LogicalTensor, MappedArray, ObjectEntry, in_memory
 from ..errors import CheckpointError, ChecksumError, HeaderError
-from ..storage import LocalFiles, MappableStore, open_regular
+from ..storage import AnyPath, ByteStore, RemotePath, entries, open_regular, store_at
 from .contract import Detection
 
 NAME = "torch"
@@ -35,7 +34,9 @@ SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
 
 
-def looks_like_torch(path: Path) -> bool:
+def looks_like_torch(path: AnyPath) -> bool:
+    if isinstance(path, RemotePath):  # read lazily: only the zip directory's blocks are fetched
+        return path.is_file() and holds_torch_save(path.parent.store(), path.name)
     try:
         fd = open_regular(path)  # a FIFO would wait for a writer for ever
     except (OSError, CheckpointError):
@@ -47,11 +48,11 @@ def looks_like_torch(path: Path) -> bool:
             return False
 
 
-def holds_torch_save(files: MappableStore, name: str) -> bool:
+def holds_torch_save(files: ByteStore, name: str) -> bool:
     """`looks_like_torch` for a file of a store (read through its map: only the pages zipfile touches)."""
     try:
         return _is_torch_save(torchzip.BufferFile(files.buffer(name)))
-    except OSError:
+    except (OSError, CheckpointError):
         return False
 
 
@@ -68,14 +69,14 @@ def _is_torch_save(f: IO[bytes] | io.RawIOBase) -> bool:
         return False
 
 
-def _single_file(path: Path) -> Path | None:
+def _single_file(path: AnyPath) -> AnyPath | None:
     if not path.is_dir():
         return path
-    candidates = [p for p in sorted(path.iterdir()) if p.suffix in SUFFIXES and p.is_file()]
+    candidates = [p for p in entries(path) if p.suffix in SUFFIXES and p.is_file()]
     return candidates[0] if len(candidates) == 1 else None
 
 
-def detect(path: Path) -> Detection | None:
+def detect(path: AnyPath) -> Detection | None:
     """The one torch.save file at `path` (itself, or the only one in a folder)."""
     file = _single_file(path)
     return Detection(path, file) if file is not None and looks_like_torch(file) else None
@@ -103,7 +104,7 @@ def _has_tensor(value: Any) -> bool:
     return False
 
 
-def tensor_chunk(files: MappableStore, file: str, ref: torchzip.TensorRef, *, base: int = 0,
+def tensor_chunk(files: ByteStore, file: str, ref: torchzip.TensorRef, *, base: int = 0,
                  offsets: tuple[int, ...] | None = None, ranks: tuple[int, ...] = ()) -> Chunk:
     """A memory-mapped chunk for a tensor of an archive that starts at byte `base` of `file`."""
     dtype = np.dtype(dtypes.numpy_dtype(ref.dtype))
@@ -119,7 +120,7 @@ def tensor_chunk(files: MappableStore, file: str, ref: torchzip.TensorRef, *, ba
     )
 
 
-def read_file(files: MappableStore, file: str) -> tuple[dict[str, LogicalTensor], dict[str, ObjectEntry]]:
+def read_file(files: ByteStore, file: str) -> tuple[dict[str, LogicalTensor], dict[str, ObjectEntry]]:
     """The tensors and plain objects of one torch.save file, by dotted name."""
     buffer, path = files.buffer(file), files.describe(file)
     tree = torchzip.load(buffer, file=path, check_expansion=False)  # checked below, by tensor name
@@ -155,7 +156,7 @@ def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointE
             yield file, None
 
 
-def _tensor_on_record(buffer: memoryview, path: str, record: str) -> str | None:
+def _tensor_on_record(buffer: torchzip.Sliceable, path: str, record: str) -> str | None:
     """The first tensor stored in the damaged record, so the report can name it."""
     for name, leaf in flatten(torchzip.load(buffer, file=path, check_expansion=False)):
         if isinstance(leaf, torchzip.TensorRef) and record.endswith(f"data/{leaf.storage.key}"):
@@ -168,7 +169,7 @@ def open(detection: Detection) -> Checkpoint:
     file_path = detection.found or _single_file(path)
     if file_path is None:
         raise HeaderError(f"expected exactly one of {', '.join(SUFFIXES)} in the folder", file=str(path))
-    files: MappableStore = LocalFiles(file_path.parent)
+    files = store_at(file_path.parent)
     tensors, objects = read_file(files, file_path.name)
     return Checkpoint(path=file_path, format=NAME, tensors=tensors, objects=objects,
                       files=(file_path.name,), storage=files)

@@ -13,7 +13,7 @@ from typing import Any
 from ..core import Checkpoint
 from ..errors import CheckpointError
 from ..formats import detect, open_checkpoint
-from ..storage import LocalFiles
+from ..storage import AnyPath, store_at
 from .modelspec import CONFIG_KEYS, ModelSpec, build_model, config_value, is_head, text_config
 from .spec import PlanError
 
@@ -44,7 +44,7 @@ def load_model(source: Any, dtype: str | None = None) -> ModelSpec:
         return _from_checkpoint(ck, config_beside(path), dtype, _display_name(path))
 
 
-def _display_name(path: Path) -> str:
+def _display_name(path: AnyPath) -> str:
     """A model folder's name, also when given one of its files (model.safetensors says little)."""
     path = path.resolve()
     return path.parent.name if path.is_file() and (path.parent / "config.json").is_file() else path.name
@@ -53,9 +53,9 @@ def _display_name(path: Path) -> str:
 MAX_CONFIG_BYTES = 16 * 1024**2  # a model's config.json is a few KB: the most that reading one may take
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def _read_config(path: AnyPath) -> dict[str, Any]:
     try:
-        config = LocalFiles(path.parent).read_json(path.name, MAX_CONFIG_BYTES, "config.json")
+        config = store_at(path.parent).read_json(path.name, MAX_CONFIG_BYTES, "config.json")
     except CheckpointError as exc:
         raise PlanError(f"cannot read the model config: {exc.reason}", file=str(path)) from None
     except OSError as exc:  # unreadable: a directory, no permission
@@ -65,7 +65,7 @@ def _read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def config_beside(path: Path) -> dict[str, Any] | None:
+def config_beside(path: AnyPath) -> dict[str, Any] | None:
     """The config.json in a checkpoint's folder (beside it, for a file), or None when there is none. Read like
     every file of the folder: PlanError when it is a link out of the folder, over MAX_CONFIG_BYTES or not JSON."""
     folder = path if path.is_dir() else path.parent

@@ -13,10 +13,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from .. import dtypes
+from ..storage import AnyPath
 from .spec import ELEMENT_BYTES, STORED_DTYPES, PlanError
 
 # Config keys vary by family; the first present wins.
@@ -124,7 +124,7 @@ class ModelSpec:
     inputs: tuple[Unit, ...]
     layers: tuple[Unit, ...]
     outputs: tuple[Unit, ...]
-    path: Path | None = None
+    path: AnyPath | None = None
     notes: tuple[str, ...] = ()
 
     @property
@@ -220,7 +220,7 @@ def is_head(name: str) -> bool:
 
 def build_model(tensors: list[tuple[str, tuple[int, ...], str]], shared: dict[str, str],
                 config: dict[str, Any] | None, dtype: str | None, *, name: str, source: str,
-                path: Path | None) -> ModelSpec:
+                path: AnyPath | None) -> ModelSpec:
     """The ModelSpec of `tensors` (name, shape, stored dtype); `shared` maps a tied tensor to its owner."""
     config = text_config(config) if config is not None else None
     notes: list[str] = []

@@ -8,9 +8,12 @@ ranged requests) implement it. Every name a checkpoint gives is checked to stay 
 from __future__ import annotations
 
 import builtins  # `list` names a method of the stores: their annotations say builtins.list
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from ..errors import CheckpointError
 from .local import (
     MAX_JSON_VALUES,
     NEW_FILE_FLAGS,
@@ -19,15 +22,76 @@ from .local import (
     open_regular,
     parse_json,
     read_capped,
-    read_head,
     read_small,
 )
-from .remote import RemoteFiles, is_url, local_path
+from .local import read_head as _read_local_head
+from .remote import RangedBuffer, Remote, RemoteFiles, RemotePath, is_url, local_path
 
-__all__ = ["MAX_JSON_VALUES", "NEW_FILE_FLAGS", "ByteStore", "LocalFiles", "MappableStore", "RemoteFiles",
-           "create_new", "is_url", "local_path", "open_regular", "parse_json", "read_capped", "read_head", "read_small"]
+__all__ = ["MAX_JSON_VALUES", "NEW_FILE_FLAGS", "AnyPath", "Buffer", "ByteStore", "LocalFiles", "Remote",
+           "RemoteFiles", "RemotePath", "as_path", "create_new", "entries", "is_url", "lexists", "local_path",
+           "open_regular", "parse_json", "probe", "read_capped", "read_head", "read_small", "remote_cache", "store_at"]
 
 Run = tuple[int, int]  # [begin, end) byte offsets in one file
+AnyPath = Path | RemotePath  # a checkpoint's file or folder: local, or under a URL
+Buffer = memoryview | RangedBuffer  # a whole file to index and slice: mapped when local, fetched lazily when remote
+
+
+def as_path(path: str | os.PathLike[str] | RemotePath, storage_options: dict[str, Any] | None = None,
+            cache: Any = None) -> AnyPath:
+    """A local Path, or a RemotePath for a URL (fsspec's `storage_options` pass through to its client)."""
+    if isinstance(path, RemotePath):
+        return path
+    return RemotePath.parse(os.fspath(path), storage_options, cache) if is_url(path) else local_path(path)
+
+
+def remote_cache(option: str | os.PathLike[str] | bool | None) -> Any:
+    """The range cache a remote checkpoint's reads go through: in folder `option`, in the default folder for True,
+    none for False or None."""
+    if option is None or option is False:
+        return None
+    from .range_cache import RangeCache, default_cache_folder  # needed only for remote checkpoints
+
+    return RangeCache(default_cache_folder() if option is True else Path(option))
+
+
+def store_at(folder: AnyPath) -> ByteStore:
+    """The byte store of the folder `folder`: the one place that asks whether a checkpoint is local or remote."""
+    return folder.store() if isinstance(folder, RemotePath) else LocalFiles(folder)
+
+
+def probe(path: AnyPath, length: int) -> tuple[bytes, int]:
+    """(up to `length` bytes from the start, the size) of the regular file at `path`; (b"", -1) when there is none
+    or it cannot be read, so detection by content never waits on a FIFO or reads a device."""
+    if isinstance(path, RemotePath):
+        size = path.size()
+        return (path.head(length), size) if size >= 0 else (b"", -1)
+    try:
+        fd = open_regular(path)
+    except (OSError, CheckpointError):
+        return b"", -1
+    try:
+        return os.pread(fd, length, 0), os.fstat(fd).st_size
+    except OSError:
+        return b"", -1
+    finally:
+        os.close(fd)
+
+
+def entries(folder: AnyPath, pattern: str = "*") -> list[AnyPath]:
+    """The entries directly in `folder` whose names match `pattern`, sorted by name; none when it is no folder."""
+    found: list[AnyPath] = list(folder.glob(pattern)) if folder.is_dir() else []
+    return sorted(found, key=lambda p: p.name)
+
+
+def lexists(path: AnyPath) -> bool:
+    """Whether anything is at `path`, a dangling link included (object stores have no links)."""
+    return path.is_file() if isinstance(path, RemotePath) else os.path.lexists(path)
+
+
+def read_head(path: AnyPath, length: int) -> bytes:
+    """Up to `length` bytes from the start of the file at `path`, for detection by content: b"" when there is no
+    regular file there or it cannot be read."""
+    return path.head(length) if isinstance(path, RemotePath) else _read_local_head(path, length)
 
 
 @runtime_checkable
@@ -35,6 +99,7 @@ class ByteStore(Protocol):
     """Named read-only files: sizes, ranged reads and listing. Errors are CheckpointErrors naming the file."""
 
     header_bytes_read: int  # bytes read through `read` (headers, indexes, manifests), for the open benchmarks
+    mappable: bool  # True when `buffer` is a memory map (numpy can view it), False when it fetches on slicing
 
     def describe(self, name: str, *, referrer: str | None = None) -> str:
         """The file's full path or URL, for messages; UnsafePathError naming `referrer` (the file that gave the
@@ -82,13 +147,29 @@ class ByteStore(Protocol):
         """The bytes of every run, each on its own."""
         ...
 
+    def is_dir(self, name: str = "") -> bool:
+        """Whether `name` ("" for the root) is a folder."""
+        ...
+
+    def listdir(self, name: str = "") -> builtins.list[str]:
+        """The names directly under folder `name` ("" for the root), sorted."""
+        ...
+
+    def child(self, name: str) -> ByteStore:
+        """The store of the folder `name` under this one (which must stay inside it)."""
+        ...
+
+    def head(self, name: str, length: int) -> bytes:
+        """Up to `length` bytes from the start of file `name`, for detection: b"" when there is no regular file."""
+        ...
+
+    def buffer(self, name: str) -> Buffer:
+        """The whole file to index and slice: a read-only memory map (pages read when touched) when `mappable`,
+        else a RangedBuffer that fetches the slices asked for."""
+        ...
+
+    def advise(self, name: str, runs: builtins.list[Run], advice: str) -> None:
+        """Say which byte runs reads will need ("willneed") or no longer need ("dontneed"); a no-op when unmapped."""
+        ...
+
     def close(self) -> None: ...
-
-
-@runtime_checkable
-class MappableStore(ByteStore, Protocol):
-    """A store whose files can be memory-mapped: reads fault in only the pages they touch."""
-
-    def buffer(self, name: str) -> memoryview: ...
-
-    def advise(self, name: str, runs: list[Run], advice: str) -> None: ...

@@ -148,6 +148,8 @@ def hub_blobs(root: Path) -> str | None:
 class LocalFiles:
     """The files of one checkpoint folder, opened read-only and mapped on demand."""
 
+    mappable = True
+
     def __init__(self, root: Path):
         self.root = Path(root).resolve()
         self._blobs = hub_blobs(self.root)
@@ -217,6 +219,22 @@ class LocalFiles:
             except UnsafePathError:
                 continue
         return sorted(names)
+
+    def is_dir(self, name: str = "") -> bool:
+        return (self.resolve(name) if name else self.root).is_dir()
+
+    def listdir(self, name: str = "") -> builtins.list[str]:
+        folder = self.resolve(name) if name else self.root
+        try:
+            return sorted(entry.name for entry in os.scandir(folder))
+        except OSError:
+            return []
+
+    def child(self, name: str) -> LocalFiles:
+        return LocalFiles(self.resolve(name))
+
+    def head(self, name: str, length: int) -> bytes:
+        return read_head(self.resolve(name), length)
 
     def size(self, name: str) -> int:
         path = self.resolve(name)

@@ -1,18 +1,39 @@
-"""A checkpoint under an fsspec prefix (s3://, gs://, memory://, ...): ranged requests, nothing mapped."""
+"""A checkpoint under a URL: an fsspec prefix (s3://, gs://, az://, memory://, ...) or an HTTP(S) folder.
+
+Reads are ranged requests: the runs a read needs, coalesced across small gaps (never adding more than
+COALESCE_SLACK of the bytes needed), fetched concurrently, through the on-disk range cache when one is set.
+HTTP has no listing: a checkpoint there is opened by the URL of the file that names the others (see
+docs/remote.md). Names a checkpoint gives stay under its own prefix, so an index cannot send us to another host.
+"""
 
 from __future__ import annotations
 
+import bisect
 import builtins  # `list` names a method of the stores: their annotations say builtins.list
+import fnmatch
 import os
-from collections.abc import Sequence
+import posixpath
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
-from ..errors import HeaderError, MissingFileError, TruncatedFileError, UnsafePathError
+from ..errors import HeaderError, MissingFileError, TruncatedFileError, UnsafePathError, UnsupportedError
 from ..extras import require_for_url
 from .local import parse_json
+from .retry import with_retries
 
-REMOTE_GAP = 4096  # runs closer than this are fetched in one request: a request costs more than the gap
+Run = tuple[int, int]
+
+COALESCE_GAP = 64 * 1024  # runs closer than this may share a request: a request costs more than a small gap ...
+COALESCE_SLACK = 0.05  # ... as long as all the gaps fetched add at most this share of the bytes needed
+MAX_CONCURRENT_REQUESTS = 32  # ranged requests in flight at once, per read
+HEAD_BLOCK = 4096  # small reads of a lazily parsed file (a zip directory) fetch and keep aligned blocks this big
+HEAD_BLOCKS_KEPT = 256  # ... up to this many blocks per file (1 MiB)
+FIRST_READ = 64 * 1024  # a length-prefixed header (safetensors) is read with its first this many bytes: one request
+HTTP_PROTOCOLS = ("http", "https")
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -24,46 +45,170 @@ def local_path(path: str | os.PathLike[str]) -> Path:
     return Path(os.fspath(path).removeprefix("file://"))
 
 
-class RemoteFiles:
-    """Read-only files under an fsspec prefix, read in coalesced, concurrent ranged requests."""
+def coalesce(runs: Sequence[Run], gap: int = COALESCE_GAP, slack: float = COALESCE_SLACK) -> list[Run]:
+    """Sorted, merged request ranges covering `runs`: overlapping or touching runs always merge; runs apart by at
+    most `gap` merge smallest gap first while the gap bytes fetched stay within `slack` of the bytes needed."""
+    ordered = sorted((b, e) for b, e in runs if e > b)
+    merged: list[list[int]] = []
+    for begin, end in ordered:
+        if merged and begin <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([begin, end])
+    needed = sum(e - b for b, e in merged)
+    gaps = sorted((merged[k + 1][0] - merged[k][1], k) for k in range(len(merged) - 1))
+    joined, allowance = set(), slack * needed
+    for size, k in gaps:
+        if size > gap or size > allowance:
+            break
+        allowance -= size
+        joined.add(k)
+    out: list[Run] = []
+    for k, (begin, end) in enumerate(merged):
+        if k - 1 in joined:
+            out[-1] = (out[-1][0], end)
+        else:
+            out.append((begin, end))
+    return out
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
-        # an optional dependency (the `s3` extra): only remote checkpoints need it
+
+@dataclass
+class Remote:
+    """What every store and path of one remote checkpoint shares: the file system client, what is known of each
+    object (size, version) and the range cache."""
+
+    fs: Any
+    protocol: str
+    cache: Any = None  # a RangeCache, or None to read straight from the server
+    infos: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    requests: int = 0  # ranged requests made, for the benchmarks
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def for_url(cls, url: str, storage_options: dict[str, Any] | None = None, cache: Any = None) -> Remote:
         fsspec = require_for_url(url, feature=f"reading {url}")
+        protocol = url.split("://", 1)[0].lower()
+        fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        return cls(fs, protocol, cache)
+
+    @property
+    def is_http(self) -> bool:
+        return self.protocol in HTTP_PROTOCOLS
+
+    def path(self, url: str) -> str:
+        """What the fs calls the object at `url` (object stores drop the scheme; HTTP keeps the URL)."""
+        return str(self.fs._strip_protocol(url))  # fsspec's own spelling (memory:// keeps a leading "/")
+
+    def info(self, url: str) -> dict[str, Any] | None:
+        """The object's size and version (None when there is no object there), asked once per URL."""
+        if url in self.infos:
+            return self.infos[url]
+
+        def ask() -> dict[str, Any] | None:
+            try:
+                found = self.fs.info(self.path(url))
+            except FileNotFoundError:
+                return None
+            return found if found.get("type", "file") == "file" else None
+
+        found = with_retries(ask, url)
+        with self.lock:
+            self.infos[url] = found
+        return found
+
+
+def _version(info: dict[str, Any]) -> str:
+    # object stores give an ETag; other fsspec file systems a modification or creation time
+    return str(next((info[k] for k in ("ETag", "etag", "mtime", "LastModified", "Last-Modified", "created")
+                     if info.get(k)), ""))
+
+
+class RemoteFiles:
+    """Read-only files under a URL prefix, read in coalesced, concurrent ranged requests."""
+
+    mappable = False
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, remote: Remote | None = None,
+                 cache: Any = None):
         self.url = url.rstrip("/")
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.remote = remote or Remote.for_url(self.url, storage_options, cache)
         self.header_bytes_read = 0
+        self._blocks: dict[str, OrderedDict[int, bytes]] = {}
 
-    def _key(self, name: str, referrer: str | None = None) -> str:
-        if not name or name.startswith("/") or ".." in name.split("/") or "\x00" in name:
+    @property
+    def fs(self) -> Any:
+        return self.remote.fs
+
+    def _url(self, name: str, referrer: str | None = None) -> str:
+        """The URL of `name`, which must stay under this store's prefix (on the same host)."""
+        parts = name.split("/")
+        if (not name or name.startswith("/") or "\\" in name or "\x00" in name or "://" in name
+                or ".." in parts or "" in parts[:-1]):
             raise UnsafePathError(f"names file {name!r}, which is outside the checkpoint", file=referrer or self.url)
-        return f"{self.root}/{name}"
-
-    def describe(self, name: str, *, referrer: str | None = None) -> str:
-        self._key(name, referrer)
         return f"{self.url}/{name}"
 
+    def describe(self, name: str, *, referrer: str | None = None) -> str:
+        return self._url(name, referrer)
+
+    def _info(self, name: str) -> dict[str, Any]:
+        url = self._url(name)
+        info = self.remote.info(url)
+        if info is None:
+            raise MissingFileError("is missing (no such object)", file=url)
+        return info
+
     def fingerprint(self, name: str) -> tuple[str, int, int | str]:
-        try:
-            info = self.fs.info(self._key(name))
-        except FileNotFoundError:
-            raise MissingFileError("file is missing", file=self.describe(name)) from None
-        # object stores give an ETag; other fsspec file systems a modification or creation time
-        version = next((info[k] for k in ("ETag", "etag", "mtime", "LastModified", "created") if info.get(k)), "")
-        return self.describe(name), int(info["size"]), str(version)
+        info = self._info(name)
+        return self._url(name), int(info["size"]), _version(info)
 
     def exists(self, name: str) -> bool:
-        return bool(self.fs.exists(self._key(name)))
+        return self.remote.info(self._url(name)) is not None
 
     def size(self, name: str) -> int:
-        try:
-            return int(self.fs.size(self._key(name)))
-        except FileNotFoundError:
-            raise MissingFileError("file is missing", file=self.describe(name)) from None
+        return int(self._info(name)["size"])
 
-    def list(self) -> list[str]:
-        prefix = f"{self.root}/"
-        return sorted(path[len(prefix):] for path in self.fs.find(self.root) if path.startswith(prefix))
+    def is_dir(self, name: str = "") -> bool:
+        """Whether `name` ("" for the root) is a folder: a prefix holding objects. HTTP has no folders to ask about:
+        there a URL that is not a file is taken for one, and its files are found by name."""
+        url = self._url(name) if name else self.url
+        if self.remote.is_http:
+            return self.remote.info(url) is None
+        return bool(with_retries(lambda: self.fs.isdir(self.remote.path(url)), url))
+
+    def listdir(self, name: str = "") -> builtins.list[str]:
+        """The names directly under folder `name` ("" for the root), sorted; their sizes are kept for later."""
+        url = self._url(name) if name else self.url
+        if self.remote.is_http:
+            raise UnsupportedError("HTTP has no listing: open the checkpoint by the URL of its index or metadata "
+                                   "file (see docs/remote.md)", file=url)
+        entries = with_retries(lambda: self.fs.ls(self.remote.path(url), detail=True), url)
+        names = []
+        for entry in entries:
+            base = posixpath.basename(str(entry["name"]).rstrip("/"))
+            if entry.get("type") == "file":
+                with self.remote.lock:
+                    self.remote.infos.setdefault(f"{url}/{base}", entry)
+            names.append(base)
+        return sorted(set(names))
+
+    def list(self) -> builtins.list[str]:
+        if self.remote.is_http:
+            raise UnsupportedError("HTTP has no listing: the checkpoint's index names its files", file=self.url)
+        prefix = f"{self.remote.path(self.url)}/"
+        found = with_retries(lambda: self.fs.find(self.remote.path(self.url)), self.url)
+        return sorted(path[len(prefix):] for path in found if path.startswith(prefix))
+
+    def child(self, name: str) -> RemoteFiles:
+        """The store of folder `name` under this one, sharing its client and what it knows."""
+        return RemoteFiles(self._url(name), remote=self.remote)
+
+    def head(self, name: str, length: int) -> bytes:
+        """Up to `length` bytes from the start of file `name`, for detection: b"" when there is none."""
+        info = self.remote.info(self._url(name))
+        if info is None:
+            return b""
+        count = min(length, int(info["size"]))
+        return self.read(name, 0, count) if count else b""
 
     def read(self, name: str, offset: int, length: int) -> bytes:
         data = self.read_ranges(name, [(offset, offset + length)])[0]
@@ -71,14 +216,18 @@ class RemoteFiles:
         return data
 
     def read_prefixed(self, name: str, max_length: int) -> tuple[int, int, bytes]:
-        """(file size, length, the `length` bytes after an 8-byte little-endian length), in two ranged reads."""
+        """(file size, length, the `length` bytes after an 8-byte little-endian length at offset 0), in one
+        request when the whole header fits in the first FIRST_READ bytes, else two."""
         size = self.size(name)
         if size < 8:
             return size, -1, b""
-        length = int.from_bytes(self.read(name, 0, 8), "little")
+        first = self.read(name, 0, min(size, FIRST_READ))
+        length = int.from_bytes(first[:8], "little")
         if length > min(max_length, size - 8):
             return size, length, b""
-        return size, length, self.read(name, 8, length)
+        if 8 + length <= len(first):
+            return size, length, first[8:8 + length]
+        return size, length, first[8:] + self.read(name, len(first), 8 + length - len(first))
 
     def read_json(self, name: str, max_bytes: int, what: str = "file") -> Any:
         size = self.size(name)
@@ -89,35 +238,190 @@ class RemoteFiles:
     def read_into(self, name: str, offset: int, target: memoryview) -> None:
         target[:] = self.read_ranges(name, [(offset, offset + len(target))])[0]
 
-    def read_runs(self, name: str, runs: Sequence[tuple[int, int]], target: memoryview) -> None:
-        groups: list[list[tuple[int, int]]] = []
-        for begin, end in runs:
-            if groups and 0 <= begin - groups[-1][-1][1] <= REMOTE_GAP:
-                groups[-1].append((begin, end))
-            else:
-                groups.append([(begin, end)])
-        parts = self.read_ranges(name, [(g[0][0], g[-1][1]) for g in groups])
+    def read_runs(self, name: str, runs: Sequence[Run], target: memoryview) -> None:
         position = 0
-        for group, part in zip(groups, parts):
-            first = group[0][0]
-            for begin, end in group:
-                target[position:position + end - begin] = part[begin - first:end - first]
-                position += end - begin
+        for (begin, end), part in zip(runs, self.read_ranges(name, runs)):
+            target[position:position + end - begin] = part
+            position += end - begin
 
-    def read_ranges(self, name: str, runs: Sequence[tuple[int, int]]) -> builtins.list[bytes]:
-        """The bytes of each [begin, end) range of one file, fetched concurrently."""
+    def read_ranges(self, name: str, runs: Sequence[Run]) -> builtins.list[bytes]:
+        """The bytes of each [begin, end) range of one file: coalesced requests, fetched concurrently."""
         if not runs:
             return []
-        key = self._key(name)
-        try:
-            parts = self.fs.cat_ranges([key] * len(runs), [b for b, _ in runs], [e for _, e in runs], on_error="raise")
-        except FileNotFoundError:
-            raise MissingFileError("file is missing", file=self.describe(name)) from None
-        for (begin, end), part in zip(runs, parts):
+        url = self._url(name)
+        size = self.size(name)
+        for begin, end in runs:
+            if not 0 <= begin <= end <= size:
+                raise TruncatedFileError(f"expected bytes [{begin}, {end}), but the object holds {size}", file=url)
+        if self.remote.cache is not None:
+            from .range_cache import ObjectKey  # the cache module is optional at run time: only used when set
+
+            key = ObjectKey(url, size, _version(self._info(name)))
+            return list(self.remote.cache.read(key, list(runs), lambda missing: self._fetch(url, missing)))
+        return self._fetch(url, runs)
+
+    def _fetch(self, url: str, runs: Sequence[Run]) -> builtins.list[bytes]:
+        """Each run's bytes, from the server: one request per coalesced range, MAX_CONCURRENT_REQUESTS at once."""
+        requests = coalesce(runs)
+        if not requests:
+            return [b"" for _ in runs]
+        path = self.remote.path(url)
+        parts = with_retries(lambda: self.fs.cat_ranges([path] * len(requests), [b for b, _ in requests],
+                                                        [e for _, e in requests], on_error="raise",
+                                                        batch_size=MAX_CONCURRENT_REQUESTS), url)
+        self.remote.requests += len(requests)
+        starts = [b for b, _ in requests]
+        out = []
+        for (begin, end), part in zip(requests, parts):
             if len(part) != end - begin:
-                raise TruncatedFileError(f"expected {end - begin} bytes at offset {begin}, got {len(part)}",
-                                         file=self.describe(name))
-        return list(parts)
+                raise TruncatedFileError(f"asked for bytes [{begin}, {end}), the server sent {len(part)} bytes",
+                                         file=url)
+        for begin, end in runs:
+            k = bisect.bisect_right(starts, begin) - 1
+            first = requests[k][0]
+            out.append(bytes(parts[k][begin - first:end - first]) if end > begin else b"")
+        return out
+
+    def buffer(self, name: str) -> RangedBuffer:
+        """The file as a lazily fetched buffer: slicing it fetches the bytes (small reads in cached blocks)."""
+        return RangedBuffer(self, name, self.size(name))
+
+    def advise(self, name: str, runs: builtins.list[Run], advice: str) -> None:
+        return None  # nothing is mapped: reads fetch exactly their runs
 
     def close(self) -> None:
-        return None
+        self._blocks.clear()
+
+    def block(self, name: str, index: int) -> bytes:
+        """Aligned block `index` (HEAD_BLOCK bytes) of a file, kept for the small reads of a lazy parse."""
+        kept = self._blocks.setdefault(name, OrderedDict())
+        data = kept.get(index)
+        if data is None:
+            begin = index * HEAD_BLOCK
+            data = self.read(name, begin, min(HEAD_BLOCK, self.size(name) - begin))
+            kept[index] = data
+            while len(kept) > HEAD_BLOCKS_KEPT:
+                kept.popitem(last=False)
+        else:
+            kept.move_to_end(index)
+        return data
+
+
+class RangedBuffer:
+    """A remote file (or a window of one) that parsers index and slice like a memoryview; only the slices asked
+    for are fetched, small ones in blocks kept by the store."""
+
+    def __init__(self, files: RemoteFiles, name: str, size: int, base: int = 0):
+        self.files, self.name, self.size, self.base = files, name, size, base
+
+    def __len__(self) -> int:
+        return self.size
+
+    def view(self, begin: int, end: int) -> RangedBuffer:
+        """The window [begin, end) of this buffer, fetched as lazily (memoryview slicing does the same locally)."""
+        begin, end = max(0, min(begin, self.size)), max(0, min(end, self.size))
+        return RangedBuffer(self.files, self.name, max(0, end - begin), self.base + begin)
+
+    @overload
+    def __getitem__(self, key: int) -> int: ...
+
+    @overload
+    def __getitem__(self, key: slice) -> bytes: ...
+
+    def __getitem__(self, key: int | slice) -> int | bytes:
+        if isinstance(key, int):
+            position = key + self.size if key < 0 else key
+            if not 0 <= position < self.size:
+                raise IndexError("index out of range")
+            return self[position:position + 1][0]
+        begin, end, step = key.indices(self.size)
+        if step != 1:
+            raise ValueError("a remote file is sliced with step 1 only")
+        if end <= begin:
+            return b""
+        begin, end = begin + self.base, end + self.base
+        if end - begin >= HEAD_BLOCK:
+            return self.files.read(self.name, begin, end - begin)
+        first, last = begin // HEAD_BLOCK, (end - 1) // HEAD_BLOCK
+        data = b"".join(self.files.block(self.name, k) for k in range(first, last + 1))
+        return data[begin - first * HEAD_BLOCK:end - first * HEAD_BLOCK]
+
+
+class RemotePath:
+    """A file or folder URL with the few pathlib methods format detection uses, every request made through the
+    Remote context its checkpoint shares."""
+
+    def __init__(self, url: str, remote: Remote):
+        self.url, self.remote = url.rstrip("/"), remote
+
+    @classmethod
+    def parse(cls, url: str, storage_options: dict[str, Any] | None = None, cache: Any = None) -> RemotePath:
+        return cls(url, Remote.for_url(url, storage_options, cache))
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"RemotePath({self.url!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RemotePath) and other.url == self.url
+
+    def __hash__(self) -> int:
+        return hash(self.url)
+
+    def __truediv__(self, name: str) -> RemotePath:
+        return RemotePath(RemoteFiles(self.url, remote=self.remote).describe(name), self.remote)
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.url)
+
+    @property
+    def stem(self) -> str:
+        return posixpath.splitext(self.name)[0]
+
+    @property
+    def suffix(self) -> str:
+        return posixpath.splitext(self.name)[1]
+
+    @property
+    def parent(self) -> RemotePath:
+        scheme, rest = self.url.split("://", 1)
+        head = posixpath.dirname(rest)
+        return RemotePath(f"{scheme}://{head}" if head else self.url, self.remote)
+
+    def store(self) -> RemoteFiles:
+        """The store rooted at this folder."""
+        return RemoteFiles(self.url, remote=self.remote)
+
+    def resolve(self) -> RemotePath:
+        return self  # object stores have no links
+
+    def __lt__(self, other: RemotePath) -> bool:
+        return self.url < other.url
+
+    def is_file(self) -> bool:
+        return self.remote.info(self.url) is not None
+
+    def size(self) -> int:
+        """The file's size, or -1 when there is no file at this URL."""
+        info = self.remote.info(self.url)
+        return -1 if info is None else int(info["size"])
+
+    def exists(self) -> bool:
+        return self.is_file() or self.is_dir()
+
+    def is_dir(self) -> bool:
+        return RemoteFiles(self.url, remote=self.remote).is_dir()
+
+    def iterdir(self) -> Iterator[RemotePath]:
+        store = RemoteFiles(self.url, remote=self.remote)
+        return (self / name for name in store.listdir())
+
+    def glob(self, pattern: str) -> Iterator[RemotePath]:
+        """The entries directly in this folder whose names match `pattern` (no recursion: detection needs none)."""
+        return (p for p in self.iterdir() if fnmatch.fnmatchcase(p.name, pattern))
+
+    def head(self, length: int) -> bytes:
+        return self.parent.store().head(self.name, length)

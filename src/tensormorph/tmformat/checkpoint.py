@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import overload
 
 import numpy as np
 
@@ -27,7 +28,7 @@ from ..core import (
 )
 from ..errors import CheckpointError, ChecksumError, HeaderError, MissingFileError, UncommittedCheckpointError
 from ..geometry import byte_runs
-from ..storage import ByteStore, LocalFiles, MappableStore, read_head
+from ..storage import AnyPath, ByteStore, read_head, store_at
 from ..tiling import validate_tiling
 from .checksums import verify_blocks
 from .integrity import file_problem, size_problem
@@ -35,12 +36,20 @@ from .manifest import FORMAT, MANIFEST, MAX_MANIFEST_BYTES, SAVE_MARKER, Manifes
 from .recovery import all_files, check_recoverable
 
 
-def root_of(path: Path) -> Path:
+@overload
+def root_of(path: Path) -> Path: ...
+
+
+@overload
+def root_of(path: AnyPath) -> AnyPath: ...
+
+
+def root_of(path: AnyPath) -> AnyPath:
     """The checkpoint folder of a path naming the folder or its manifest."""
     return path.parent if path.is_file() and path.name == MANIFEST else path
 
 
-def is_checkpoint_folder(path: Path) -> bool:
+def is_checkpoint_folder(path: AnyPath) -> bool:
     """A folder (or its manifest) holding a Tensormorph manifest, or the marker of a save that never committed."""
     root = root_of(path)
     if not root.is_dir():
@@ -76,10 +85,10 @@ def placement_of(record: TensorRecord) -> Placement | None:
     return Placement(record.mesh, record.placements or (), record.mesh_dim_names)
 
 
-def open_folder(path: Path) -> Checkpoint:
+def open_folder(path: AnyPath) -> Checkpoint:
     """The committed checkpoint in the folder `path` (or at its manifest) as a logical Checkpoint."""
     root = root_of(path)
-    files: MappableStore = LocalFiles(root)
+    files = store_at(root)
     manifest = read_manifest(files, str(root))
     damaged = {}
     for name, file_record in manifest.files.items():

@@ -14,12 +14,12 @@ from ... import dtypes, torchzip
 from ...core import Chunk, LogicalTensor, MappedArray
 from ...errors import HeaderError
 from ...geometry import flat_boxes
-from ...storage import MappableStore
+from ...storage import ByteStore
 from ...tiling import validate_tiling
 from .pieces import Piece
 
 
-def flat_chunks(files: MappableStore, name: str, shape: tuple[int, ...], pieces: list[Piece],
+def flat_chunks(files: ByteStore, name: str, shape: tuple[int, ...], pieces: list[Piece],
                 source: Callable[[Piece], tuple[str, torchzip.TensorRef]]) -> tuple[str, list[Chunk]]:
     """(dtype, chunks) of a tensor whose flat elements are the given pieces of 1-D tensors."""
     dtype: str | None = None

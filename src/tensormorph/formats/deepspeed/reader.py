@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from pathlib import Path
 
 from ... import torchzip
 from ...core import Checkpoint, Placement
 from ...errors import CheckpointError, HeaderError, MissingFileError
 from ...geometry import shard_range
-from ...storage import LocalFiles, MappableStore
+from ...storage import AnyPath, ByteStore, store_at
 from ..contract import Detection
-from .discovery import MODEL_FILE, OPTIM_FILE, model_file, optim_files, tag_folder
+from .discovery import MODEL_FILE, OPTIM_FILE, model_file, names_in, optim_files, tag_folder
 from .names import NAME
 from .objects import model_objects, optimizer_objects
 from .pieces import check_mappings
@@ -29,13 +28,13 @@ from .zero3 import zero3_layout
 from .zero12 import zero12_layout
 
 
-def detect(path: Path) -> Detection | None:
+def detect(path: AnyPath) -> Detection | None:
     """The tag folder, when it holds model states and optimizer states."""
     try:
         if not path.is_dir():
             return None
         folder = tag_folder(path)
-        names = [p.name for p in folder.iterdir()]
+        names = names_in(folder)
     except (OSError, CheckpointError):
         return None
     found = any(MODEL_FILE.match(n) for n in names) and any(OPTIM_FILE.match(n) for n in names)
@@ -44,7 +43,7 @@ def detect(path: Path) -> Detection | None:
 
 def open(detection: Detection) -> Checkpoint:
     folder = detection.found or tag_folder(detection.path)
-    files: MappableStore = LocalFiles(folder)
+    files = store_at(folder)
     names = optim_files(folder)
     model_name = model_file(folder)
     model = read_model_states(files, model_name)
@@ -93,7 +92,7 @@ def open(detection: Detection) -> Checkpoint:
                       files=tuple(dict.fromkeys([*model_names, *names])), storage=files)
 
 
-def _read_rank(files: MappableStore, name: str, rank: int, model: ModelStates, partitioned: bool,
+def _read_rank(files: ByteStore, name: str, rank: int, model: ModelStates, partitioned: bool,
                world: int) -> RankStates:
     try:
         return read_rank_states(files, name, rank)

@@ -10,7 +10,7 @@ from typing import Any
 from ... import safe_pickle, torchzip
 from ...errors import HeaderError, UnsupportedError
 from ...shapes import check_shape, describe
-from ...storage import MappableStore
+from ...storage import ByteStore
 
 # model-states entries that describe the layout rather than hold state of their own
 LAYOUT_KEYS = frozenset({"module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
@@ -45,7 +45,7 @@ DEEPSPEED_GLOBALS: safe_pickle.Globals = {
 """Stand-ins for the DeepSpeed classes that appear in real checkpoint files."""
 
 
-def load(files: MappableStore, name: str) -> Any:
+def load(files: ByteStore, name: str) -> Any:
     """The object tree of one torch.save file of a DeepSpeed checkpoint (tensors as TensorRefs)."""
     return torchzip.load(files.buffer(name), file=files.describe(name), extra_globals=DEEPSPEED_GLOBALS)
 
@@ -64,7 +64,7 @@ class ModelStates:
     entries: dict[str, Any]  # everything else (global_steps, ds_config, lr_scheduler...)
 
 
-def read_model_states(files: MappableStore, name: str) -> ModelStates:
+def read_model_states(files: ByteStore, name: str) -> ModelStates:
     """Parse and check one `*_model_states.pt` file."""
     path = files.describe(name)
     state = load(files, name)
@@ -123,7 +123,7 @@ class RankStates:
     slice_mappings: Any  # stages 1-2: per group, name -> fragment_address(start, numel) on this rank
 
 
-def read_rank_states(files: MappableStore, name: str, rank: int) -> RankStates:
+def read_rank_states(files: ByteStore, name: str, rank: int) -> RankStates:
     """Parse and check one `*_optim_states.pt` file."""
     path = files.describe(name)
     state = load(files, name)

@@ -8,7 +8,7 @@ import math
 from ... import torchzip
 from ...core import LogicalTensor, Placement
 from ...errors import HeaderError
-from ...storage import MappableStore
+from ...storage import ByteStore
 from ..torch_pickle import tensor_chunk
 from .arrays import flat_chunks, reshaped
 from .names import MODULE_PREFIX, OPTIMIZER_PREFIX, STATE_PREFIX
@@ -23,12 +23,12 @@ def _shape_of(model: ModelStates, name: str) -> tuple[int, ...]:
     return model.frozen_shapes[name]
 
 
-def _reuse_budget(files: MappableStore, model: ModelStates) -> torchzip.ReuseBudget:
+def _reuse_budget(files: ByteStore, model: ModelStates) -> torchzip.ReuseBudget:
     """A budget for the model file's tensors by name: a pickle may name one storage under many names."""
     return torchzip.ReuseBudget(files.describe(model.file), files.size(model.file))
 
 
-def master_tensors(files: MappableStore, layout: Layout, model: ModelStates, ranks: list[RankStates],
+def master_tensors(files: ByteStore, layout: Layout, model: ModelStates, ranks: list[RankStates],
                    placement: Placement) -> dict[str, LogicalTensor]:
     """<param>: the fp32 master weights, read from the ranks' flat partitions."""
     tensors: dict[str, LogicalTensor] = {}
@@ -40,7 +40,7 @@ def master_tensors(files: MappableStore, layout: Layout, model: ModelStates, ran
     return tensors
 
 
-def optimizer_state_tensors(files: MappableStore, layout: Layout, model: ModelStates, ranks: list[RankStates],
+def optimizer_state_tensors(files: ByteStore, layout: Layout, model: ModelStates, ranks: list[RankStates],
                             placement: Placement) -> dict[str, LogicalTensor]:
     """optimizer.state.<param>.<key>: flat state laid out like the masters, scalars from the first piece."""
     tensors: dict[str, LogicalTensor] = {}
@@ -70,7 +70,7 @@ def optimizer_state_tensors(files: MappableStore, layout: Layout, model: ModelSt
     return tensors
 
 
-def frozen_tensors(files: MappableStore, model: ModelStates, model_names: list[str], placement: Placement,
+def frozen_tensors(files: ByteStore, model: ModelStates, model_names: list[str], placement: Placement,
                    stage: int) -> dict[str, LogicalTensor]:
     """Frozen parameters: whole fragments (stages 1-2), or one flat fragment per rank (stage 3)."""
     tensors = {}
@@ -118,7 +118,7 @@ def frozen_tensors(files: MappableStore, model: ModelStates, model_names: list[s
     return tensors
 
 
-def module_tensors(files: MappableStore, model: ModelStates) -> dict[str, LogicalTensor]:
+def module_tensors(files: ByteStore, model: ModelStates) -> dict[str, LogicalTensor]:
     """Buffers under their own names; the module's weights as module.<name> (stage-3 placeholders left out)."""
     tensors = {}
     expected = {n: s for shapes in model.param_shapes for n, s in shapes.items()} | model.frozen_shapes

@@ -6,13 +6,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from ...core import byte_runs
 from ...errors import UnsupportedError
-from ...storage import MappableStore
+from ...storage import ByteStore
+from ...storage.strided import read_strided
 from .header import TensorInfo
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ def _dequantizer() -> Dequantize | None:
 class QuantizedBlocks:
     """A tensor stored as ggml blocks along its last (fastest) axis, read as float32 one block range at a time."""
 
-    files: MappableStore
+    files: ByteStore
     file: str
     offset: int
     info: TensorInfo
@@ -72,14 +73,13 @@ class QuantizedBlocks:
         picked = slice(first, final + 1) if contiguous else blocks
         positions = np.searchsorted(blocks, columns // info.block_size) * info.block_size + columns % info.block_size
         identity = contiguous and last.step == 1 and columns.size == blocks.size * info.block_size
-        per_block = info.shape[:-1] + (info.shape[-1] // info.block_size, info.type_size)
-        stored = np.frombuffer(self.files.buffer(self.file), np.uint8, count=info.end - info.begin,
-                               offset=self.offset).reshape(per_block)
-        byte_shape = info.shape[:-1] + (per_block[-2] * info.type_size,)
+        byte_shape = info.shape[:-1] + (info.shape[-1] // info.block_size * info.type_size,)
         block_bytes = slice(first * info.type_size, (final + 1) * info.type_size, 1)
+        picked = slice(None) if contiguous else blocks - first  # within the blocks first..final that are fetched
 
         if not lead:
-            target[...] = self._decode(stored[picked], positions, identity).reshape(target.shape)
+            values = self._decode(self._blocks(byte_shape, (block_bytes,))[..., picked, :], positions, identity)
+            target[...] = values.reshape(target.shape)
             return True
         per_position = math.prod(len(range(s.start, s.stop, s.step)) for s in lead[1:]) * blocks.size
         rows = range(lead[0].start, lead[0].stop, lead[0].step)
@@ -89,10 +89,22 @@ class QuantizedBlocks:
             box = (slice(part.start, part[-1] + 1, part.step),) + lead[1:]
             runs = byte_runs(self.offset, byte_shape, None, 1, box + (block_bytes,))
             self.files.advise(self.file, runs, "willneed")
-            values = self._decode(stored[box][..., picked, :], positions, identity)
+            values = self._decode(self._blocks(byte_shape, box + (block_bytes,))[..., picked, :], positions, identity)
             target[i:i + len(part)] = values.reshape(target[i:i + len(part)].shape)
             self.files.advise(self.file, runs, "dontneed")
         return True
+
+    def _blocks(self, byte_shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+        """The stored bytes of `index` (rows, then a run of whole blocks), as (..., blocks, block bytes): a view of
+        the mapped file, or fetched as ranged reads from a remote one."""
+        info = self.info
+        if self.files.mappable:
+            stored = np.frombuffer(cast(memoryview, self.files.buffer(self.file)), np.uint8,
+                                   count=info.end - info.begin, offset=self.offset).reshape(byte_shape)
+            raw = stored[index]
+        else:
+            raw = read_strided(self.files, self.file, self.offset, byte_shape, None, np.dtype(np.uint8), index)
+        return raw.reshape(raw.shape[:-1] + (raw.shape[-1] // info.type_size, info.type_size))
 
     def _decode(self, quantized: np.ndarray, positions: np.ndarray, identity: bool) -> np.ndarray:
         """Dequantize (..., blocks, block bytes) to (rows, values) and keep the selected columns."""

@@ -5,12 +5,11 @@ from __future__ import annotations
 import re
 from collections import Counter
 from functools import partial
-from pathlib import Path
 
 from ... import dtypes
 from ...core import Checkpoint, Chunk, ChunkSource, LogicalTensor, MappedArray, ObjectEntry
 from ...errors import HeaderError, MissingFileError
-from ...storage import ByteStore, LocalFiles, MappableStore, read_head
+from ...storage import AnyPath, ByteStore, entries, read_head, store_at
 from ..contract import Detection, no_checksums
 from .header import MAGIC, RAW_TYPES, Header, LongArray, TensorInfo, read_header, read_long_array
 from .quantized import QuantizedBlocks
@@ -19,14 +18,14 @@ NAME = "gguf"
 SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<k>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 
-def _is_gguf(path: Path) -> bool:
+def _is_gguf(path: AnyPath) -> bool:
     return read_head(path, 4) == MAGIC
 
 
-def detect(path: Path) -> Detection | None:
+def detect(path: AnyPath) -> Detection | None:
     """The .gguf files of a folder (names, sorted), or the one file `path` names."""
     if path.is_dir():
-        found = sorted(p.name for p in path.glob("*.gguf") if _is_gguf(p))
+        found = [p.name for p in entries(path, "*.gguf") if _is_gguf(p)]
         return Detection(path, found) if found else None
     return Detection(path) if _is_gguf(path) else None
 
@@ -34,11 +33,11 @@ def detect(path: Path) -> Detection | None:
 checksum_problems = no_checksums  # GGUF records no checksums
 
 
-def _members(path: Path, found: list[str] | None = None) -> tuple[Path, list[str]]:
+def _members(path: AnyPath, found: list[str] | None = None) -> tuple[AnyPath, list[str]]:
     """(folder, file names in split order) of the model at `path`: one file, a split set, or a folder of either
     (whose GGUF files detection may have `found` already)."""
     if path.is_dir():
-        found = found if found is not None else sorted(p.name for p in path.glob("*.gguf") if _is_gguf(p))
+        found = found if found is not None else [p.name for p in entries(path, "*.gguf") if _is_gguf(p)]
         sets = {m.group("stem", "n") for m in map(SPLIT_NAME.match, found) if m}
         singles = [f for f in found if not SPLIT_NAME.match(f)]
         if len(sets) + len(singles) != 1:
@@ -65,7 +64,7 @@ def _split_names(stem: str, n: int) -> list[str]:
 
 def open(detection: Detection) -> Checkpoint:
     root, names = _members(detection.path, detection.found)
-    files: MappableStore = LocalFiles(root)
+    files = store_at(root)
     for k, name in enumerate(names, start=1):
         if not files.exists(name):
             raise MissingFileError(f"split {k} of {len(names)} is missing; the split set of {names[0]!r} needs "
@@ -99,7 +98,7 @@ def _dtype(info: TensorInfo) -> str:
     return info.ggml_type if info.ggml_type in RAW_TYPES else "F32"
 
 
-def _chunk(files: MappableStore, file: str, info: TensorInfo) -> Chunk:
+def _chunk(files: ByteStore, file: str, info: TensorInfo) -> Chunk:
     if info.ggml_type in RAW_TYPES:
         source: ChunkSource = MappedArray(files, file, info.begin, dtypes.numpy_dtype(info.ggml_type), info.shape)
     else:
