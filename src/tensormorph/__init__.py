@@ -29,13 +29,13 @@ __all__ = [
 
 
 def open(path: str | Path, format: str | None = None, *, read_budget: int = DEFAULT_READ_BUDGET,
-         storage_options: dict[str, Any] | None = None, cache: str | Path | bool | None = True) -> Checkpoint:
+         storage_options: dict[str, Any] | None = None, cache: str | Path | bool | None = None) -> Checkpoint:
     """Open a checkpoint file or folder of any supported format as one logical checkpoint.
 
     `path` is a local path or a URL: s3://, gs://, az://, memory:// (any fsspec protocol, with its
     `storage_options`: credentials, endpoint), or https:// to the file that names the others (docs/remote.md).
     Remote reads fetch only the byte ranges they need and keep them in the on-disk range cache (`cache`: its
-    folder, True for the default one, False for none).
+    folder, True or None for the default one, False for none).
 
     `format` forces a reader ("safetensors", "hf-sharded", "torch", "dcp", "dcp-safetensors",
     "tensormorph", "deepspeed", "deepspeed-universal", "megatron-torch-dist", "gguf"); by default

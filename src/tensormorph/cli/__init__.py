@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import click
 
+from ..storage import remote_options
 from .compare import diff_command
 from .convert import convert_command
 from .integrity import repair_command, verify_command
+from .output import parse_storage_options
 from .plan import plan_command
 from .tensors import inspect, show, stats
 from .viewer import view_command
@@ -18,8 +20,19 @@ from .viewer import view_command
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="tensormorph")
-def main() -> None:
-    """Open any sharded model checkpoint as one logical checkpoint."""
+@click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
+              help="An fsspec storage option for URLs (repeatable; dotted keys nest: "
+                   "client_kwargs.endpoint_url=http://127.0.0.1:9000). Credentials also come from the environment.")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Folder of the on-disk cache of remote bytes (default: $TENSORMORPH_CACHE or "
+                   "~/.cache/tensormorph).")
+@click.option("--no-cache", is_flag=True, help="Read remote checkpoints without the on-disk cache.")
+@click.pass_context
+def main(ctx: click.Context, storage_options: tuple[str, ...], cache_dir: str | None, no_cache: bool) -> None:
+    """Open any sharded model checkpoint as one logical checkpoint: a local path, or a URL (s3://, gs://, az://,
+    https://, any fsspec protocol)."""
+    options = parse_storage_options(storage_options)
+    ctx.with_resource(remote_options(options or None, False if no_cache else cache_dir or True))
 
 
 for _command in (inspect, show, stats, diff_command, verify_command, repair_command, convert_command, view_command,

@@ -43,6 +43,29 @@ class CheckpointPath(click.Path):
         return value
 
 
+def parse_storage_options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """KEY=VALUE pairs as fsspec storage options: dotted keys nest, and values that read as JSON (true, 3, {...})
+    are taken as such, others as strings."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--storage-option")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        *parents, last = key.split(".")
+        level = options
+        for part in parents:
+            level = level.setdefault(part, {})
+            if not isinstance(level, dict):
+                raise click.BadParameter(f"{key!r} nests under a value that is not a group",
+                                         param_hint="--storage-option")
+        level[last] = value
+    return options
+
+
 def print_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=_json_default))
 

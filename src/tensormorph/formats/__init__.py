@@ -17,7 +17,7 @@ from typing import Any
 
 from ..core import DEFAULT_READ_BUDGET, Checkpoint
 from ..errors import CheckpointError, MissingFileError, UnknownFormatError
-from ..storage import AnyPath, RemotePath, as_path, is_url, remote_cache
+from ..storage import AnyPath, RemotePath, as_path
 from . import (
     dcp,
     dcp_safetensors,
@@ -81,13 +81,14 @@ def reader_of(checkpoint: Checkpoint) -> FormatReader:
 
 def open_checkpoint(path: str | Path | RemotePath, format: str | None = None, *,
                     read_budget: int = DEFAULT_READ_BUDGET, storage_options: dict[str, Any] | None = None,
-                    cache: str | Path | bool | None = True) -> Checkpoint:
+                    cache: str | Path | bool | None = None) -> Checkpoint:
     """Open a checkpoint file or folder as one logical checkpoint (`tensormorph.open`).
 
     `path` is a local path or a URL (s3://, gs://, az://, memory://, https://, any fsspec protocol); fsspec's
     `storage_options` (credentials, endpoint) pass through to its client. Remote bytes are kept in the on-disk
-    range cache: `cache` is its folder, True for the default one (see range_cache), False or None for none."""
-    path = as_path(path, storage_options, remote_cache(cache) if isinstance(path, str) and is_url(path) else None)
+    range cache: `cache` is its folder, True for the default one (see range_cache), False for none; None takes what
+    `storage.remote_options` set (the default folder unless it says otherwise)."""
+    path = as_path(path, storage_options, cache)
     if isinstance(path, Path):
         _check_local(path)
     elif not path.exists():

@@ -348,6 +348,7 @@ def open(detection: Detection) -> Checkpoint:
     records, state, storage = parsed.records, parsed.state, parsed.storage
 
     data_files = sorted({item.file for item in storage.values()})
+    files.prefetch(data_files, head=0)  # their sizes, asked all at once
     sizes = {}
     for file in data_files:
         try:

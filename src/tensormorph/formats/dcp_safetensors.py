@@ -56,6 +56,7 @@ def open(detection: Detection) -> Checkpoint:
     candidates = detection.found or _files(path)
     root = path if path.is_dir() else path.parent
     files = store_at(root)
+    files.prefetch([candidate.name for candidate in candidates])
     pieces: dict[str, list[Chunk]] = {}
     dtypes: dict[str, tuple[str, str]] = {}
     file_metadata = {}

@@ -136,6 +136,7 @@ def open(detection: Detection) -> Checkpoint:
     file_metadata: dict[str, dict[str, str]] = {}
     numbers = {name: k for k, name in enumerate(sorted(shard_names), start=1)}  # "shard k of n" follows file names
     read: dict[str, _Shard] = {}  # by resolved path: a file behind many names is read once
+    files.prefetch(shard_names)
     for shard in shard_names:
         file_shard = (numbers[shard], len(shard_names))
         if not files.exists(shard):

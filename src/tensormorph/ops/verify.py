@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import CheckpointError, MissingFileError, UnsafePickleError
 from ..formats import open_checkpoint, reader_of
+from ..storage import is_url
 from .stats import tensor_stats
 
 
@@ -54,7 +55,7 @@ def _problem(exc: CheckpointError) -> Problem:
 def verify(path: str | Path, *, full: bool = False, progress: Callable[[int], None] | None = None) -> VerifyReport:
     """Verify the checkpoint at `path`; problems are collected, not raised (MissingFileError when there is no
     file or folder at `path`: nothing was verified)."""
-    if not Path(path).exists():  # nothing to verify: the command could not run (the CLI's exit 2), not damage
+    if not is_url(path) and not Path(path).exists():  # nothing to verify: the command could not run, not damage
         raise MissingFileError("no such file or folder", file=str(path))
     report = VerifyReport(str(path), full=full)
     try:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import builtins  # `list` names a method of the stores: their annotations say builtins.list
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -29,25 +32,55 @@ from .remote import RangedBuffer, Remote, RemoteFiles, RemotePath, is_url, local
 
 __all__ = ["MAX_JSON_VALUES", "NEW_FILE_FLAGS", "AnyPath", "Buffer", "ByteStore", "LocalFiles", "Remote",
            "RemoteFiles", "RemotePath", "as_path", "create_new", "entries", "is_url", "lexists", "local_path",
-           "open_regular", "parse_json", "probe", "read_capped", "read_head", "read_small", "remote_cache", "store_at"]
+           "open_regular", "parse_json", "probe", "read_capped", "read_head", "read_small", "remote_cache",
+           "remote_options", "store_at"]
 
 Run = tuple[int, int]  # [begin, end) byte offsets in one file
 AnyPath = Path | RemotePath  # a checkpoint's file or folder: local, or under a URL
 Buffer = memoryview | RangedBuffer  # a whole file to index and slice: mapped when local, fetched lazily when remote
 
 
+@dataclass(frozen=True)
+class RemoteOptions:
+    """How URLs are opened where a call does not say: fsspec's storage options, and the range cache's folder (True
+    for the default folder, False for no cache)."""
+
+    storage_options: dict[str, Any] | None = None
+    cache: str | os.PathLike[str] | bool = True
+
+
+_REMOTE_OPTIONS: ContextVar[RemoteOptions | None] = ContextVar("remote_options", default=None)
+
+
+@contextmanager
+def remote_options(storage_options: dict[str, Any] | None = None,
+                   cache: str | os.PathLike[str] | bool = True) -> Iterator[None]:
+    """Within the block, URLs opened without options of their own use these (the CLI sets them from its flags)."""
+    token = _REMOTE_OPTIONS.set(RemoteOptions(storage_options, cache))
+    try:
+        yield
+    finally:
+        _REMOTE_OPTIONS.reset(token)
+
+
 def as_path(path: str | os.PathLike[str] | RemotePath, storage_options: dict[str, Any] | None = None,
-            cache: Any = None) -> AnyPath:
-    """A local Path, or a RemotePath for a URL (fsspec's `storage_options` pass through to its client)."""
+            cache: str | os.PathLike[str] | bool | None = None) -> AnyPath:
+    """A local Path, or a RemotePath for a URL: fsspec's `storage_options` pass through to its client, and its reads
+    go through the range cache `cache` (a folder, True for the default one, False for none); either left None takes
+    the value `remote_options` set."""
     if isinstance(path, RemotePath):
         return path
-    return RemotePath.parse(os.fspath(path), storage_options, cache) if is_url(path) else local_path(path)
+    if not is_url(path):
+        return local_path(path)
+    defaults = _REMOTE_OPTIONS.get() or RemoteOptions()
+    options = defaults.storage_options if storage_options is None else storage_options
+    return RemotePath.parse(os.fspath(path), options, remote_cache(defaults.cache if cache is None else cache))
 
 
-def remote_cache(option: str | os.PathLike[str] | bool | None) -> Any:
+def remote_cache(option: str | os.PathLike[str] | bool) -> Any:
     """The range cache a remote checkpoint's reads go through: in folder `option`, in the default folder for True,
-    none for False or None."""
-    if option is None or option is False:
+    none for False."""
+    if option is False:
         return None
     from .range_cache import RangeCache, default_cache_folder  # needed only for remote checkpoints
 
@@ -161,6 +194,11 @@ class ByteStore(Protocol):
 
     def head(self, name: str, length: int) -> bytes:
         """Up to `length` bytes from the start of file `name`, for detection: b"" when there is no regular file."""
+        ...
+
+    def prefetch(self, names: Sequence[str], head: int = ...) -> None:
+        """Fetch many files' sizes and first `head` bytes at once, before they are read one by one (remote stores
+        overlap the round trips; local ones do nothing)."""
         ...
 
     def buffer(self, name: str) -> Buffer:

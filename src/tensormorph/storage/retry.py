@@ -35,8 +35,8 @@ def status_of(exc: BaseException) -> int | None:
 
 def is_passing(exc: BaseException) -> bool:
     """Whether trying the same request again may succeed."""
-    if isinstance(exc, (CheckpointError, FileNotFoundError, PermissionError)):
-        return False
+    if isinstance(exc, (CheckpointError, FileNotFoundError, PermissionError)) or "Redirect" in type(exc).__name__:
+        return False  # a redirect loop stays one
     status = status_of(exc)
     if status is not None:
         return status in RETRIED_STATUS
@@ -56,6 +56,8 @@ def as_checkpoint_error(exc: BaseException, url: str) -> CheckpointError:
     if isinstance(exc, PermissionError) or status in (401, 403):
         return AccessDeniedError(f"access denied ({status or 'permission error'}): check the credentials "
                                  "(storage_options, or the environment's AWS_* variables)", file=url)
+    if "Redirect" in type(exc).__name__:
+        return CheckpointError("the server redirects in a loop (or too many times)", file=url)
     detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
     if is_passing(exc):
         return TruncatedFileError(f"the request kept failing after {MAX_ATTEMPTS} tries: {detail}", file=url)

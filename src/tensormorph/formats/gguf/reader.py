@@ -65,6 +65,7 @@ def _split_names(stem: str, n: int) -> list[str]:
 def open(detection: Detection) -> Checkpoint:
     root, names = _members(detection.path, detection.found)
     files = store_at(root)
+    files.prefetch(names)
     for k, name in enumerate(names, start=1):
         if not files.exists(name):
             raise MissingFileError(f"split {k} of {len(names)} is missing; the split set of {names[0]!r} needs "
