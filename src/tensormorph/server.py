@@ -57,7 +57,7 @@ class ApiError(Exception):
 class Viewer:
     """The state behind the API: the opened checkpoints, the diff report and the tile caches."""
 
-    def __init__(self, paths: list[Path], *, rename: list[str] | None = None, cache_dir: Path | None = None,
+    def __init__(self, paths: list[str | Path], *, rename: list[str] | None = None, cache_dir: Path | None = None,
                  cache_bytes: int = DISK_CACHE_BYTES, read_budget: int = DEFAULT_READ_BUDGET):
         self.checkpoints: dict[str, Checkpoint] = {
             cid: open_checkpoint(p, read_budget=read_budget) for cid, p in zip("ab", paths)}
@@ -385,7 +385,7 @@ def create_app(paths: list[str | Path], *, host: str = "127.0.0.1", token: str |
     tensor above `read_budget` bytes need confirm=1; exact tiles are cached in `cache_dir`, up to `cache_bytes`."""
     if token is None and not is_loopback(host):
         raise ValueError(f"a viewer served on {host!r}, beyond this machine, needs a token")
-    viewer = Viewer([Path(p) for p in paths], rename=rename, cache_dir=cache_dir, cache_bytes=cache_bytes,
+    viewer = Viewer(list(paths), rename=rename, cache_dir=cache_dir, cache_bytes=cache_bytes,
                     read_budget=read_budget)
     routes = [
         Route("/api/openapi.json", openapi),
