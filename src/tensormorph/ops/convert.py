@@ -33,7 +33,7 @@ from ..errors import CheckpointError, UnsupportedError
 from ..formats import opened
 from ..geometry import split_box
 from ..safe_pickle import is_plain
-from ..storage import create_new, is_url
+from ..storage import as_path, create_new, is_url, remote_defaults
 from ..tmformat.layout import SHARD_PATTERN, local_box, parse_placement
 from ..tmformat.stream import TensorSpec, write_file
 from ..tmformat.writer import Piece, SaveTransaction
@@ -56,7 +56,7 @@ def parse_dtype(text: str) -> str:
 
 @dataclass
 class ConvertResult:
-    destination: Path
+    destination: Path | str  # a local folder, or a URL
     files: list[str]
     tensors: int
     bytes_written: int
@@ -135,7 +135,8 @@ def convert(source: str | Path | Checkpoint, destination: str | Path, *, to: str
         ck = opened(source, stack)
         for tensor in ck.values():  # refused before anything is written
             check_scannable(tensor)
-        destination = _checked_destination(destination)
+        output: Path | str = _checked_url(os.fspath(destination), to) if is_url(destination) else \
+            _checked_destination(destination)
         target = parse_dtype(dtype) if dtype else None
         rules = [parse_rename(r) for r in rename or ()]
         output_names = {original: aligned for aligned, original in aligned_names(list(ck), rules, "a").items()}
@@ -150,21 +151,30 @@ def convert(source: str | Path | Checkpoint, destination: str | Path, *, to: str
                     progress(block.nbytes)
 
         if to == "safetensors":
-            result = _to_safetensors(ck, destination, specs, blocks, max_shard_size)
+            result = _to_safetensors(ck, Path(output), specs, blocks, max_shard_size)
         else:
-            result = _to_tensormorph(ck, destination, specs, blocks, mesh_shape, tuple(placements), redundancy)
+            result = _to_tensormorph(ck, output, specs, blocks, mesh_shape, tuple(placements), redundancy)
         if check:
-            result.check = diff(ck, destination, cast=target, objects=False, block_bytes=block_bytes,
+            result.check = diff(ck, output, cast=target, objects=False, block_bytes=block_bytes,
                                 rename=[f"a:{r}" for r in rename or ()])
         return result
 
 
+def _checked_url(url: str, to: str) -> str:
+    """A URL to convert into: the Tensormorph format only (its writer commits on object stores by the manifest's
+    PUT), and a prefix holding no checkpoint yet."""
+    if to != "tensormorph":
+        raise UnsupportedError(f"convert --to {to} writes a local folder; --to tensormorph also writes to a URL",
+                               file=url)
+    if as_path(url).exists():
+        raise CheckpointError("destination already holds objects; choose a new prefix", file=url)
+    return url
+
+
 def _checked_destination(destination: str | Path) -> Path:
     """The output folder's path, its parent created: new, or an empty folder (replaced by the finished one); never a
-    link, which a conversion would write through, nor a URL (written here, it would become a local folder 's3:')."""
+    link, which a conversion would write through."""
     text = os.fspath(destination)
-    if is_url(text):
-        raise UnsupportedError("convert writes a local folder; save to an object store with tm.save", file=text)
     if "\x00" in text:
         raise CheckpointError("is not a valid path: it holds a NUL byte", file=repr(text))
     path = Path(text)
@@ -257,11 +267,12 @@ def _plain_objects(ck: Checkpoint) -> tuple[dict[str, Any], list[str]]:
     return objects, skipped
 
 
-def _to_tensormorph(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
+def _to_tensormorph(ck: Checkpoint, destination: Path | str, specs: list[TensorSpec],
                     blocks: Callable[..., Iterator[np.ndarray]], mesh: tuple[int, ...],
                     placements: tuple[str, ...], redundancy: str | None) -> ConvertResult:
     """Every rank's file of a save on `mesh`, written in turn by this one process, through one SaveTransaction."""
     save = SaveTransaction(destination, overwrite=True, redundancy=redundancy,
+                           storage_options=remote_defaults().storage_options,
                            extra={"converted_from": {"path": str(ck.path), "format": ck.format}})
     for text in placements:
         parse_placement(text, 1 << 30)  # the spelling only: dimensions are fitted to each tensor below
@@ -275,7 +286,8 @@ def _to_tensormorph(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
                                       tuple(range(len(coordinates))), None, fitted))
     save.plan([p for ps in pieces for p in ps])
     objects, skipped = _plain_objects(ck)
-    _free(destination)
+    if isinstance(destination, Path):
+        _free(destination)
     save.join(save.prepare())
     try:
         results = []

@@ -33,7 +33,7 @@ from .remote import RangedBuffer, Remote, RemoteFiles, RemotePath, is_url, local
 __all__ = ["MAX_JSON_VALUES", "NEW_FILE_FLAGS", "AnyPath", "Buffer", "ByteStore", "LocalFiles", "Remote",
            "RemoteFiles", "RemotePath", "as_path", "create_new", "entries", "is_url", "lexists", "local_path",
            "open_regular", "parse_json", "probe", "read_capped", "read_head", "read_small", "remote_cache",
-           "remote_options", "store_at"]
+           "remote_defaults", "remote_options", "store_at"]
 
 Run = tuple[int, int]  # [begin, end) byte offsets in one file
 AnyPath = Path | RemotePath  # a checkpoint's file or folder: local, or under a URL
@@ -63,6 +63,11 @@ def remote_options(storage_options: dict[str, Any] | None = None,
         _REMOTE_OPTIONS.reset(token)
 
 
+def remote_defaults() -> RemoteOptions:
+    """The options `remote_options` set for URLs opened without their own."""
+    return _REMOTE_OPTIONS.get() or RemoteOptions()
+
+
 def as_path(path: str | os.PathLike[str] | RemotePath, storage_options: dict[str, Any] | None = None,
             cache: str | os.PathLike[str] | bool | None = None) -> AnyPath:
     """A local Path, or a RemotePath for a URL: fsspec's `storage_options` pass through to its client, and its reads
@@ -72,7 +77,7 @@ def as_path(path: str | os.PathLike[str] | RemotePath, storage_options: dict[str
         return path
     if not is_url(path):
         return local_path(path)
-    defaults = _REMOTE_OPTIONS.get() or RemoteOptions()
+    defaults = remote_defaults()
     options = defaults.storage_options if storage_options is None else storage_options
     return RemotePath.parse(os.fspath(path), options, remote_cache(defaults.cache if cache is None else cache))
 
