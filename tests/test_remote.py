@@ -23,7 +23,7 @@ from remote_support import CountingProxy, HubServer, S3Endpoint
 
 import tensormorph as tm
 from tensormorph.core import Checkpoint
-from tensormorph.errors import CheckpointError, ChecksumError, UnsupportedError
+from tensormorph.errors import CheckpointError, ChecksumError, UnknownFormatError, UnsupportedError
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,7 +33,9 @@ REGION_ROWS, REGION_COLS = slice(3, 40), slice(5, 60)
 BIG_SHAPE = (4096, 1024)  # 16 MiB of float32: a region is a tiny share of the file, so over-fetching would show
 MAX_TRANSFER_RATIO = 1.1  # bytes transferred / bytes needed for a region read (issue 15)
 HF_SHARDS = 24  # shards of the many-file repo: enough for the per-file request cost to dominate the constant
-OPEN_CONSTANT_REQUESTS = 6  # requests opening an HF repo may make besides its shards' (index, detection probes)
+# requests opening an HF repo may make besides its shards': the index's size and bytes, and the probes detection
+# makes (on S3: four listings asking whether the index URL is a folder; over HTTP, HEAD+GET of absent files)
+OPEN_CONSTANT_REQUESTS = 8
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def cases(dcp_ckpt, dcp_zstd_ckpt, dcp_safetensors_ckpt, hf_llama_safetensors, h
         "gguf-split": Case(gguf / "split" / "model-00001-of-00003.gguf", gguf / "split",
                            "model-00001-of-00003.gguf"),
         "gguf": Case(gguf / "single" / "model.gguf", gguf / "single", "model.gguf"),
-        # DeepSpeed over HTTP: see the xfail tests below; the universal layout (zero/<param>/) needs a listing
+        # DeepSpeed over HTTP: tests below; the universal layout (zero/<param>/) needs a listing
         "deepspeed-zero2": Case(ds / "zero2_fp32" / "ckpt", ds / "zero2_fp32" / "ckpt"),
         "deepspeed-zero3-bf16": Case(ds / "zero3_bf16" / "ckpt", ds / "zero3_bf16" / "ckpt"),
         "deepspeed-universal": Case(ds / "zero2_fp32" / "ckpt" / "global_step3_universal",
@@ -170,8 +172,9 @@ def s3_url(name: str, case: Case) -> str:
     return f"s3://{BUCKET}/{name}" + (f"/{case.key}" if case.key else "")
 
 
-def hub_url(proxy: CountingProxy, name: str, file: str) -> str:
-    return f"{proxy.url}/{REPO}/{name}/resolve/main/{file}"
+def hub_url(proxy: CountingProxy, name: str, file: str = "") -> str:
+    """The URL of `file` in repo org/<name> through `proxy`; of the repo's root (a folder) without a file."""
+    return f"{proxy.url}/{REPO}/{name}/resolve/main" + (f"/{file}" if file else "")
 
 
 # ---------------------------------------------------------------------------
@@ -202,28 +205,29 @@ def test_every_format_opens_over_http_by_its_key_file_bit_exact(name, cases, hub
     assert hub_proxy.requests
 
 
-@pytest.mark.xfail(strict=True, reason="formats/deepspeed/reader.py detect() returns None for a path that is a file, "
-                   "so the URL of a DeepSpeed save's `latest` file is not recognised (UnknownFormatError)")
 def test_deepspeed_opens_over_http_by_its_latest_file(cases, hub_proxy):
     case = cases["deepspeed-zero2"]
     assert_same_checkpoint(tm.open(case.local), tm.open(hub_url(hub_proxy, "deepspeed-zero2", "latest"), cache=False))
 
 
-@pytest.mark.xfail(strict=True, reason="formats/dcp.py _metadata_files() lists the folder (storage.entries) when "
-                   "there is no .metadata; over HTTP RemoteFiles.listdir raises UnsupportedError, which "
-                   "formats/__init__.py _detect() lets through, so the DeepSpeed reader (later in READERS, and able "
-                   "to probe its file names over HTTP) never runs")
 @pytest.mark.parametrize("name", ["deepspeed-zero2", "deepspeed-zero3-bf16"])
 def test_deepspeed_save_folder_opens_over_http(name, cases, hub_proxy):
     case = cases[name]
-    assert_same_checkpoint(tm.open(case.local), tm.open(hub_url(hub_proxy, name, "").rstrip("/"), cache=False))
+    # docs/remote.md: the save folder's URL, ending in "/"
+    assert_same_checkpoint(tm.open(case.local), tm.open(hub_url(hub_proxy, name) + "/", cache=False))
 
 
-@pytest.mark.parametrize("name", ["hf-safetensors", "dcp-safetensors"])
+def test_http_folder_of_an_hf_repo_opens_by_its_index_name(cases, hub_proxy):
+    """HTTP has no listing, but the Hugging Face index names are known: the folder URL finds the index by name."""
+    case = cases["hf-safetensors"]
+    assert_same_checkpoint(tm.open(case.local), tm.open(hub_url(hub_proxy, "hf-safetensors"), cache=False))
+
+
+@pytest.mark.parametrize("name", ["dcp-safetensors"])
 def test_http_folder_without_key_file_says_how_to_open_it(name, hub_proxy):
     with pytest.raises(UnsupportedError, match="HTTP has no listing: open the checkpoint by the URL of its index or "
                                                "metadata file") as raised:
-        tm.open(hub_url(hub_proxy, name, "").rstrip("/"), cache=False)
+        tm.open(hub_url(hub_proxy, name), cache=False)
     assert f"/{REPO}/{name}/resolve/main" in str(raised.value)
     assert len(str(raised.value).splitlines()) == 1
 
@@ -330,8 +334,9 @@ def test_region_read_transfers_at_most_1_1x_the_bytes_it_needs(fmt, via, big, bi
 
 
 @pytest.fixture(scope="module")
-def many_shards(tmp_path_factory: pytest.TempPathFactory, hub: HubServer) -> tuple[Path, dict[str, np.ndarray]]:
-    """An HF repo of HF_SHARDS safetensors shards and their index, served as org/many."""
+def many_shards(tmp_path_factory: pytest.TempPathFactory, s3: S3Endpoint,
+                hub: HubServer) -> tuple[Path, dict[str, np.ndarray]]:
+    """An HF repo of HF_SHARDS safetensors shards and their index, served as org/many and at s3://ckpts/many."""
     root = tmp_path_factory.mktemp("many")
     rng = np.random.default_rng(1)
     tensors, weight_map = {}, {}
@@ -343,22 +348,29 @@ def many_shards(tmp_path_factory: pytest.TempPathFactory, hub: HubServer) -> tup
         weight_map.update(dict.fromkeys(part, shard))
     (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     hub.add(f"{REPO}/many", root)
+    s3.upload(root, f"s3://{BUCKET}/many")
     return root, tensors
 
 
-def test_opening_an_hf_sharded_repo_over_http_costs_at_most_two_requests_per_shard(many_shards, hub_proxy):
+@pytest.mark.parametrize("via", ["s3", "http"])
+def test_opening_an_hf_sharded_repo_costs_at_most_two_requests_per_shard(via, many_shards, s3, s3_proxy, hub_proxy):
     root, tensors = many_shards
-    ck = tm.open(hub_url(hub_proxy, "many", "model.safetensors.index.json"), cache=False)
+    proxy = s3_proxy if via == "s3" else hub_proxy
+    if via == "s3":
+        url = f"s3://{BUCKET}/many/model.safetensors.index.json"
+        ck = tm.open(url, storage_options=s3.storage_options_via(proxy.url), cache=False)
+    else:
+        ck = tm.open(hub_url(proxy, "many", "model.safetensors.index.json"), cache=False)
     local = tm.open(root)
     assert [(n, ck[n].shape, ck[n].dtype) for n in ck] == [(n, local[n].shape, local[n].dtype) for n in local]
     assert sorted(ck) == sorted(tensors) and all(ck[n].shape == tensors[n].shape for n in tensors)
-    per_file = Counter(r.path.rsplit("/", 1)[-1] for r in hub_proxy.requests)
+    per_file = Counter(r.path.rsplit("/", 1)[-1] for r in proxy.requests)
     shards = {f: n for f, n in per_file.items() if f.endswith(".safetensors")}
     assert len(shards) == HF_SHARDS and max(shards.values()) <= 2, per_file
     assert sum(per_file.values()) - sum(shards.values()) <= OPEN_CONSTANT_REQUESTS, per_file
-    hub_proxy.reset()
+    proxy.reset()
     assert same_array(ck["layers.7.k"].full(), tensors["layers.7.k"])  # the headers read at open hold the offsets
-    assert {r.path.rsplit("/", 1)[-1] for r in hub_proxy.requests} == {f"model-00008-of-{HF_SHARDS:05d}.safetensors"}
+    assert {r.path.rsplit("/", 1)[-1] for r in proxy.requests} == {f"model-00008-of-{HF_SHARDS:05d}.safetensors"}
 
 
 # ---------------------------------------------------------------------------
@@ -367,8 +379,8 @@ def test_opening_an_hf_sharded_repo_over_http_costs_at_most_two_requests_per_sha
 
 
 def _data_requests(proxy: CountingProxy) -> list[Any]:
-    """Ranged GETs: reads of object bytes (HEADs and listings ask for sizes and names, not data)."""
-    return [r for r in proxy.requests if r.method == "GET" and r.range is not None]
+    """GETs of objects, ranged or whole: reads of their bytes (HEADs and bucket listings ask for sizes and names)."""
+    return [r for r in proxy.requests if r.method == "GET" and "list-type=" not in r.query and r.path != f"/{BUCKET}"]
 
 
 def test_second_open_and_region_read_from_the_cache_make_no_data_requests(big, big_urls, s3, s3_proxy, tmp_path):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import DEFAULT_READ_BUDGET, Checkpoint
-from ..errors import CheckpointError, MissingFileError, UnknownFormatError
+from ..errors import CheckpointError, MissingFileError, UnknownFormatError, UnsupportedError
 from ..storage import AnyPath, RemotePath, as_path
 from . import (
     dcp,
@@ -61,10 +61,19 @@ def _collection_paused() -> Iterator[None]:
 
 
 def _detect(path: AnyPath) -> tuple[FormatReader, Detection] | None:
+    """The first reader that recognises `path`. A reader that would need a listing the store cannot give (HTTP) is
+    passed over; when no other reader recognises the path, that is the error to report."""
+    unlisted: UnsupportedError | None = None
     for reader in READERS:
-        found = reader.detect(path)
+        try:
+            found = reader.detect(path)
+        except UnsupportedError as exc:
+            unlisted = unlisted or exc
+            continue
         if found is not None:
             return reader, found
+    if unlisted is not None:
+        raise unlisted
     return None
 
 
@@ -91,7 +100,8 @@ def open_checkpoint(path: str | Path | RemotePath, format: str | None = None, *,
     path = as_path(path, storage_options, cache)
     if isinstance(path, Path):
         _check_local(path)
-    elif not path.exists():
+    elif not path.is_file() and (path.remote.is_http and "." in path.name or not path.exists()):
+        # HTTP cannot tell a folder from a missing file: a name with a suffix was meant as a file
         raise MissingFileError("no such object or folder", file=str(path))
     if format is not None:
         if format not in BY_NAME:

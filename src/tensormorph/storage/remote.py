@@ -24,7 +24,7 @@ from typing import Any, overload
 from ..errors import HeaderError, MissingFileError, TruncatedFileError, UnsafePathError, UnsupportedError
 from ..extras import require_for_url
 from .local import parse_json
-from .retry import with_retries
+from .retry import MAX_ATTEMPTS, is_passing, status_of, with_retries
 
 Run = tuple[int, int]
 
@@ -96,6 +96,12 @@ class Remote:
     def is_http(self) -> bool:
         return self.protocol in HTTP_PROTOCOLS
 
+    @property
+    def attempts(self) -> int:
+        """Tries per request: fsspec's HTTP client never retries; object-store clients (botocore, gcsfs) retry
+        passing failures themselves, so one more try of ours covers what they give up on, without multiplying."""
+        return MAX_ATTEMPTS if self.is_http else 2
+
     def path(self, url: str) -> str:
         """What the fs calls the object at `url` (object stores drop the scheme; HTTP keeps the URL)."""
         return str(self.fs._strip_protocol(url))  # fsspec's own spelling (memory:// keeps a leading "/")
@@ -108,11 +114,16 @@ class Remote:
         def ask() -> dict[str, Any] | None:
             try:
                 found = self.fs.info(self.path(url))
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                # fsspec's HTTP client reports every failed HEAD as FileNotFoundError: only a 404 (or 410) is one
+                cause = exc.__cause__
+                if cause is not None and (status_of(cause) not in (None, 404, 410) or is_passing(cause)
+                                          or "Redirect" in type(cause).__name__):
+                    raise cause from None
                 return None
             return found if found.get("type", "file") == "file" else None
 
-        found = with_retries(ask, url)
+        found = with_retries(ask, url, attempts=self.attempts)
         with self.lock:
             self.infos[url] = found
         return found
@@ -175,7 +186,7 @@ class RemoteFiles:
         url = self._url(name) if name else self.url
         if self.remote.is_http:
             return self.remote.info(url) is None
-        return bool(with_retries(lambda: self.fs.isdir(self.remote.path(url)), url))
+        return bool(with_retries(lambda: self.fs.isdir(self.remote.path(url)), url, attempts=self.remote.attempts))
 
     def listdir(self, name: str = "") -> builtins.list[str]:
         """The names directly under folder `name` ("" for the root), sorted; their sizes are kept for later."""
@@ -183,7 +194,8 @@ class RemoteFiles:
         if self.remote.is_http:
             raise UnsupportedError("HTTP has no listing: open the checkpoint by the URL of its index or metadata "
                                    "file (see docs/remote.md)", file=url)
-        entries = with_retries(lambda: self.fs.ls(self.remote.path(url), detail=True), url)
+        entries = with_retries(lambda: self.fs.ls(self.remote.path(url), detail=True), url,
+                               attempts=self.remote.attempts)
         names = []
         for entry in entries:
             base = posixpath.basename(str(entry["name"]).rstrip("/"))
@@ -197,7 +209,8 @@ class RemoteFiles:
         if self.remote.is_http:
             raise UnsupportedError("HTTP has no listing: the checkpoint's index names its files", file=self.url)
         prefix = f"{self.remote.path(self.url)}/"
-        found = with_retries(lambda: self.fs.find(self.remote.path(self.url)), self.url)
+        found = with_retries(lambda: self.fs.find(self.remote.path(self.url)), self.url,
+                             attempts=self.remote.attempts)
         return sorted(path[len(prefix):] for path in found if path.startswith(prefix))
 
     def child(self, name: str) -> RemoteFiles:
@@ -288,7 +301,8 @@ class RemoteFiles:
         path = self.remote.path(url)
         parts = with_retries(lambda: self.fs.cat_ranges([path] * len(requests), [b for b, _ in requests],
                                                         [e for _, e in requests], on_error="raise",
-                                                        batch_size=MAX_CONCURRENT_REQUESTS), url)
+                                                        batch_size=MAX_CONCURRENT_REQUESTS), url,
+                             attempts=self.remote.attempts)
         self.remote.requests += len(requests)
         starts = [b for b, _ in requests]
         out = []

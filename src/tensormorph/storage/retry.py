@@ -26,16 +26,26 @@ PASSING_WORDS = ("SlowDown", "Throttl", "ServiceUnavailable", "InternalError", "
 
 def status_of(exc: BaseException) -> int | None:
     """The HTTP status an exception carries (aiohttp's ClientResponseError, fsspec's HTTP errors), if any."""
-    for attribute in ("status", "code"):
-        value = getattr(exc, attribute, None)
-        if isinstance(value, int) and 100 <= value < 600:
-            return value
-    return None
+    value = getattr(exc, "status", None)
+    return value if isinstance(value, int) and 100 <= value < 600 else None
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from (botocore wraps aiohttp's, fsspec wraps both)."""
+    seen: list[BaseException] = []
+    while exc is not None and exc not in seen and len(seen) < 8:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return seen
+
+
+def _redirects(exc: BaseException) -> bool:
+    return any("Redirect" in type(e).__name__ for e in _chain(exc))
 
 
 def is_passing(exc: BaseException) -> bool:
     """Whether trying the same request again may succeed."""
-    if isinstance(exc, (CheckpointError, FileNotFoundError, PermissionError)) or "Redirect" in type(exc).__name__:
+    if isinstance(exc, (CheckpointError, FileNotFoundError, PermissionError)) or _redirects(exc):
         return False  # a redirect loop stays one
     status = status_of(exc)
     if status is not None:
@@ -56,7 +66,7 @@ def as_checkpoint_error(exc: BaseException, url: str) -> CheckpointError:
     if isinstance(exc, PermissionError) or status in (401, 403):
         return AccessDeniedError(f"access denied ({status or 'permission error'}): check the credentials "
                                  "(storage_options, or the environment's AWS_* variables)", file=url)
-    if "Redirect" in type(exc).__name__:
+    if _redirects(exc):
         return CheckpointError("the server redirects in a loop (or too many times)", file=url)
     detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
     if is_passing(exc):

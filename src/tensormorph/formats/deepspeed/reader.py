@@ -11,7 +11,7 @@ from ...errors import CheckpointError, HeaderError, MissingFileError
 from ...geometry import shard_range
 from ...storage import AnyPath, ByteStore, store_at
 from ..contract import Detection
-from .discovery import MODEL_FILE, OPTIM_FILE, model_file, names_in, optim_files, tag_folder
+from .discovery import LATEST, MODEL_FILE, OPTIM_FILE, model_file, names_in, optim_files, tag_folder
 from .names import NAME
 from .objects import model_objects, optimizer_objects
 from .pieces import check_mappings
@@ -31,6 +31,8 @@ from .zero12 import zero12_layout
 def detect(path: AnyPath) -> Detection | None:
     """The tag folder, when it holds model states and optimizer states."""
     try:
+        if path.name == LATEST and path.is_file():  # the save folder, given by the file that names its tag
+            path = path.parent
         if not path.is_dir():
             return None
         folder = tag_folder(path)
@@ -42,7 +44,8 @@ def detect(path: AnyPath) -> Detection | None:
 
 
 def open(detection: Detection) -> Checkpoint:
-    folder = detection.found or tag_folder(detection.path)
+    path = detection.path
+    folder = detection.found or tag_folder(path.parent if path.name == LATEST and path.is_file() else path)
     files = store_at(folder)
     names = optim_files(folder)
     model_name = model_file(folder)
