@@ -67,6 +67,7 @@ LATENCY_S = 0.020  # added to every request by the proxy: a WAN round trip
 PREFAULT = 1 * GiB
 BUCKET = "bench"
 HUB_REPO = "org/model"
+CHILD_MODULE = "benchmarks.bench_remote"
 SERVER_TIMEOUT_S = 120  # a server (moto, or the proxy process) that has not answered by then has failed
 # region: a ROWS x COLS fp32 tensor saved by RANKS ranks (Shard(0)), and a BLOCK x BLOCK read across two chunks
 ROWS, COLS, RANKS, BLOCK = 8192, 16384, 4, 1024
@@ -176,6 +177,7 @@ def _serve(conn: Any, upstream: str | None, repos: dict[str, str]) -> None:
                 records = proxy.requests
                 reply = {"requests": len(records), "bytes": sum(r.bytes_sent for r in records),
                          "methods": dict(Counter(r.method for r in records)),
+                         "suffixes": dict(Counter(os.path.splitext(r.path)[1] for r in records)),
                          "errors": sum(r.status >= 400 for r in records)}
             conn.send(reply)
         conn.send(None)
@@ -382,3 +384,133 @@ def bench_cached_open(local: Path, url: str, proxy: Proxy, cache: Path, **option
     return {"first_open_stats": first, "cached_stats": stats, "cached_s": summary(cached_times),
             "local_s": summary(local_times),
             "ratio": summary(local_times)["median"] / summary(cached_times)["median"]}
+
+
+# ---------------------------------------------------------------- diff
+
+def build_diff_pair(a: Path, b: Path) -> None:
+    """Two DCP checkpoints of DIFF_TENSORS fp32 tensors (one process, no process group) that differ in one."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(15)
+    state = {f"layers.{i}.weight": torch.randn(DIFF_SHAPE, generator=g) for i in range(DIFF_TENSORS)}
+    dcp.save(state, checkpoint_id=str(a), no_dist=True)
+    state[DIFF_CHANGED] = state[DIFF_CHANGED].clone()
+    state[DIFF_CHANGED][::97, ::13] += 1.0
+    dcp.save(state, checkpoint_id=str(b), no_dist=True)
+
+
+def _diff_child(args: dict[str, Any]) -> dict[str, Any]:
+    """One diff variant in this process: its wall time, and its peak RSS above the RSS it started from."""
+    import s3fs  # noqa: F401  both variants import the same modules before the baseline is taken
+
+    import tensormorph as tm
+
+    options = args["options"]
+    prefault(PREFAULT)
+    reset_peak_rss()
+    baseline = proc_status()["VmRSS"]
+    start = time.perf_counter()
+    download_s = 0.0
+    if args["variant"] == "remote":
+        with tm.open(args["a"], storage_options=options, cache=False) as a, \
+                tm.open(args["b"], storage_options=options, cache=False) as b:
+            report = tm.diff(a, b)
+    else:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**options)
+        local = Path(args["download_to"])
+        for side in ("a", "b"):
+            fs.get(args[side][len("s3://"):] + "/", f"{local / side}/", recursive=True)
+        download_s = time.perf_counter() - start
+        report = tm.diff(local / "a", local / "b")
+    seconds = time.perf_counter() - start
+    status = proc_status()
+    return {"seconds": seconds, "download_s": download_s, "baseline_rss": baseline, "peak_rss": status["VmHWM"],
+            "peak_growth": status["VmHWM"] - baseline,
+            "differing": sorted(t.name for t in report.tensors if t.status != "equal")}
+
+
+def bench_diff(urls: tuple[str, str], proxy: Proxy, options: dict[str, Any], work: Path) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {"remote": [], "download": []}
+    for run in range(RUNS):
+        variants = ["remote", "download"] if run % 2 == 0 else ["download", "remote"]
+        for variant in variants:
+            target = work / "download"
+            args = {"variant": variant, "a": urls[0], "b": urls[1], "options": options, "download_to": str(target)}
+            proxy.reset()
+            result = run_child(CHILD_MODULE, ["--child", json.dumps(args)])
+            shutil.rmtree(target, ignore_errors=True)
+            if result["differing"] != [DIFF_CHANGED]:
+                raise AssertionError(f"{variant} diff found {result['differing']}, expected [{DIFF_CHANGED!r}]")
+            runs[variant].append({**result, "proxy": proxy.stats()})
+    out: dict[str, Any] = {"tensors": DIFF_TENSORS, "shape": list(DIFF_SHAPE), "changed": DIFF_CHANGED}
+    for variant, results in runs.items():
+        out[variant] = {key: summary([r[key] for r in results])
+                        for key in ("seconds", "download_s", "baseline_rss", "peak_rss", "peak_growth")}
+        out[variant]["proxy"] = results[-1]["proxy"]
+    med = {v: {k: out[v][k]["median"] for k in ("seconds", "peak_rss", "peak_growth")} for v in runs}
+    out["ratio_time"] = med["download"]["seconds"] / med["remote"]["seconds"]
+    out["ratio_peak_rss"] = med["download"]["peak_rss"] / med["remote"]["peak_rss"]
+    out["ratio_peak_growth"] = med["download"]["peak_growth"] / med["remote"]["peak_growth"]
+    return out
+
+
+# ---------------------------------------------------------------- main
+
+def run_cases(cases: set[str], work: Path) -> dict[str, Any]:
+    from .bench_open_metadata import FILES, build_hf
+
+    out: dict[str, Any] = {}
+    if cases & {"open_hf", "cached_open"}:
+        repo = build_hf(work / "hf")
+        if "open_hf" in cases:
+            out["open_hf"] = bench_open_hf(repo, FILES, work / "hf-cache")
+            print(f"open_hf: {json.dumps(out['open_hf']['ratio'])}", flush=True)
+        if "cached_open" in cases:
+            with Proxy(repos={HUB_REPO: str(repo)}) as proxy:
+                url = f"{proxy.url}/{HUB_REPO}/resolve/main/model.safetensors.index.json"
+                out["cached_open"] = {"hf_http": bench_cached_open(repo, url, proxy, work / "cache-hf")}
+    if not cases & {"region", "cached_open", "diff"}:
+        return out
+    with s3_behind_proxy() as (s3, proxy, options):
+        if cases & {"region", "cached_open"}:
+            local = work / "region"
+            spawn_ranks(_region_worker, RANKS, str(local))
+            url = f"s3://{BUCKET}/region"
+            s3.upload(local, url)
+            if "region" in cases:
+                out["region"] = bench_region(local, url, proxy, options, work)
+            if "cached_open" in cases:
+                out["cached_open"]["dcp_s3"] = bench_cached_open(local, url, proxy, work / "cache-dcp",
+                                                                 storage_options=options)
+            shutil.rmtree(local)
+        if "diff" in cases:
+            build_diff_pair(work / "a", work / "b")
+            urls = f"s3://{BUCKET}/diff-a", f"s3://{BUCKET}/diff-b"
+            s3.upload(work / "a", urls[0])
+            s3.upload(work / "b", urls[1])
+            out["diff"] = bench_diff(urls, proxy, options, work)
+    return out
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        emit(_diff_child(json.loads(sys.argv[2])))
+        return
+    everything = ["open_hf", "region", "cached_open", "diff"]
+    cases = set(everything)
+    if "--cases" in sys.argv:
+        cases = set(sys.argv[sys.argv.index("--cases") + 1].split(","))
+        if cases - set(everything):
+            sys.exit(f"unknown cases {sorted(cases - set(everything))}; known: {', '.join(everything)}")
+    load_before = load_averages()
+    with work_dir(NAME) as work:
+        results = run_cases(cases, work)
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

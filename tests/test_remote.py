@@ -23,7 +23,7 @@ from remote_support import CountingProxy, HubServer, S3Endpoint
 
 import tensormorph as tm
 from tensormorph.core import Checkpoint
-from tensormorph.errors import CheckpointError, ChecksumError, UnknownFormatError, UnsupportedError
+from tensormorph.errors import CheckpointError, ChecksumError, UnsupportedError
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -26,7 +26,6 @@ from tensormorph.errors import (
     TruncatedFileError,
     UnknownFormatError,
     UnsafePathError,
-    UnsupportedError,
 )
 
 pytestmark = pytest.mark.timeout(120)
