@@ -271,14 +271,18 @@ def test_parity_written_by_four_ranks_rebuilds_two_lost_files_locally_and_on_s3(
 
     for label in ("local_rs", "s3_rs"):
         path, options, _ = saved["targets"][label]
-        lost = ["rank-00001.safetensors", "rank-00002.safetensors"]
         if options is None:
             manifest = json.loads((Path(path) / MANIFEST).read_text())["body"]
+            lost = sorted(manifest["files"])[1:3]
+            assert lost == ["rank-00001.safetensors", "rank-00002.safetensors"]
             for name in lost:
                 (Path(path) / name).unlink()
         else:
             fs = s3fs.S3FileSystem(**options)
             manifest = json.loads(fs.cat_file(f"{path[5:]}/{MANIFEST}"))["body"]
+            lost = sorted(manifest["files"])[1:3]  # on an object store, under the save's generation folder
+            assert [name.split("/")[-1] for name in lost] == ["rank-00001.safetensors", "rank-00002.safetensors"]
+            assert lost[0].startswith("gen-") and lost[0].count("/") == 1
             for name in lost:
                 fs.rm_file(f"{path[5:]}/{name}")
         plan = manifest["redundancy"]

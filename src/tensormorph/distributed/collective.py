@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
+from ..storage import RemotePath
 
 T = TypeVar("T")
 
@@ -86,12 +87,12 @@ class Collective:
         dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group)
         return bool(vote.item())
 
-    def decide(self, step: Callable[[], T], failure: str, path: str | os.PathLike[str]) -> T:
+    def decide(self, step: Callable[[], T], failure: str, path: str | os.PathLike[str] | RemotePath) -> T:
         """Rank 0 runs `step`; every rank returns its value, or every rank raises CheckpointError with its error."""
         outcome: Outcome[T] = self.run(step) if self.rank == 0 else Outcome(self.rank)
         shared = self.broadcast(outcome)
         if shared.error is not None:
-            raise CheckpointError(f"{failure}: {shared.error}", file=os.fspath(path))
+            raise CheckpointError(f"{failure}: {shared.error}", file=str(path))
         return shared.unwrap()
 
     def everyone(self, step: Callable[[], T], *, label: str = "") -> list[Outcome[T]]:

@@ -27,7 +27,8 @@ from typing import Any, BinaryIO
 from ..errors import CheckpointError
 from ..extras import require_for_url
 from ..storage import NEW_FILE_FLAGS, create_new, is_url, local_path
-from .manifest import INIT_PREFIX, MANIFEST, SAVE_MARKER, TEMP_PREFIX
+from .manifest import GENERATION_PREFIX, INIT_PREFIX, MANIFEST, MAX_MANIFEST_BYTES, SAVE_MARKER, TEMP_PREFIX, parse
+from .recovery import all_files
 from .stream import OutputFile
 
 
@@ -43,6 +44,8 @@ def store(target: Destination, name: str, chunks: Iterable[bytes]) -> None:
 
 class LocalDestination:
     """A folder on a local file system, committed by an atomic rename."""
+
+    file_prefix = ""  # files keep their plain names: the folder itself is replaced at the commit
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = False):
         self.final = local_path(path).absolute()
@@ -145,13 +148,20 @@ class LocalDestination:
 
 
 class FsspecDestination:
-    """A prefix in an fsspec file system (s3://, gs://, memory://...); the manifest PUT is the commit."""
+    """A prefix in an fsspec file system (s3://, gs://, memory://...); the manifest PUT is the commit.
+
+    Each save writes its files under a generation folder of its own (`GENERATION_PREFIX<id>/`), which the manifest
+    names. So overwriting a checkpoint never touches the files of the one it replaces: until the new manifest's
+    PUT, the old manifest and all its files stay valid; after it, the old generation's files are deleted."""
+
+    file_prefix = ""  # set by prepare or join: this save's generation folder
 
     def __init__(self, url: str, *, overwrite: bool = False, storage_options: dict[str, Any] | None = None):
         fsspec = require_for_url(url, feature=f"saving to {url}")
         self.url = url.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         self.overwrite = overwrite
+        self._replaced: list[str] = []  # the files of the checkpoint this save replaces, deleted after the commit
 
     def describe(self) -> str:
         return self.url
@@ -160,15 +170,25 @@ class FsspecDestination:
         if self.fs.exists(f"{self.root}/{MANIFEST}"):
             if not self.overwrite:
                 raise CheckpointError("already holds a checkpoint; pass overwrite=True to replace it", file=self.url)
-            # an object store cannot swap a prefix atomically: the old manifest goes first, so the prefix is
-            # never a valid checkpoint whose files are half replaced (save to a new prefix to keep the old one)
-            self.fs.rm_file(f"{self.root}/{MANIFEST}")
+            self._replaced = self._files_of_committed()
         self.fs.pipe_file(f"{self.root}/{SAVE_MARKER}",
                           json.dumps({"target": self.url, "started": time.time()}).encode())
-        return ""
+        token = f"{GENERATION_PREFIX}{uuid.uuid4().hex[:12]}"
+        self.join(token)
+        return token
 
     def join(self, token: str) -> None:
-        return None
+        self.file_prefix = f"{token}/"
+
+    def _files_of_committed(self) -> list[str]:
+        """The files the committed manifest names: data, parity and copies (a damaged manifest names none)."""
+        key = f"{self.root}/{MANIFEST}"
+        if self.fs.size(key) > MAX_MANIFEST_BYTES:
+            return []
+        try:
+            return sorted(all_files(parse(self.fs.cat_file(key), self.url)))
+        except CheckpointError:
+            return []  # nothing trustworthy to delete; the new save still commits
 
     def open(self, name: str) -> OutputFile:
         # s3fs uploads a file written this way in multipart pieces as its buffer fills
@@ -184,12 +204,21 @@ class FsspecDestination:
     def commit(self, manifest: bytes) -> None:
         self.fs.pipe_file(f"{self.root}/{MANIFEST}", manifest)
         self.fs.rm_file(f"{self.root}/{SAVE_MARKER}")
+        kept = json.loads(manifest)
+        named = set(kept.get("files", {})) | set((kept.get("redundancy") or {}).get("files", {}))
+        doomed = [f"{self.root}/{name}" for name in self._replaced if name not in named]
+        with contextlib.suppress(FileNotFoundError, OSError):  # committed already: a leftover is no failure
+            if doomed:
+                self.fs.rm(doomed)
 
     def abort(self) -> None:
-        return None  # the marker object stays: it says the prefix holds a save that never committed
+        """A failed save's own generation folder goes; the marker stays, saying a save never committed here."""
+        with contextlib.suppress(FileNotFoundError, OSError):
+            if self.file_prefix and self.fs.exists(f"{self.root}/{self.file_prefix}"):
+                self.fs.rm(f"{self.root}/{self.file_prefix}", recursive=True)
 
     def remove(self) -> None:
-        return None  # other writers may share the prefix; the marker says what happened
+        self.abort()
 
 
 Destination = LocalDestination | FsspecDestination

@@ -29,6 +29,7 @@ VERSION = 1
 MANIFEST = "manifest.json"
 SAVE_MARKER = ".tensormorph-save"  # inside a temporary folder: names the save it belongs to
 TEMP_PREFIX = ".tmp-tensormorph-"
+GENERATION_PREFIX = "gen-"  # on object stores, each save's files live in a folder of its own: gen-<id>/
 INIT_PREFIX = ".init-tensormorph-"  # a save's folder while its marker is created, before it takes TEMP_PREFIX
 CHECKSUM = "crc32c"
 MAX_MANIFEST_BYTES = 512 * 1024**2

@@ -97,13 +97,14 @@ class Stripe:
         return max(self.sizes, default=0)
 
 
-def stripes(files: Sequence[tuple[str, int]], k: int, m: int) -> list[Stripe]:
-    """Group (file, size) pairs, in order, into stripes of k with their m parity files."""
+def stripes(files: Sequence[tuple[str, int]], k: int, m: int, prefix: str = "") -> list[Stripe]:
+    """Group (file, size) pairs, in order, into stripes of k with their m parity files (named under `prefix`, the
+    save's generation folder on object stores)."""
     out = []
     for s, start in enumerate(range(0, len(files), k)):
         group = files[start:start + k]
         out.append(Stripe(tuple(f for f, _ in group), tuple(n for _, n in group),
-                          tuple(parity_file(s, j) for j in range(m))))
+                          tuple(prefix + parity_file(s, j) for j in range(m))))
     return out
 
 
@@ -159,7 +160,7 @@ def rebuild(stripe: Stripe, k: int, m: int, lost: str, available: set[str], read
 
 
 def write_extras(scheme: Scheme, data_files: Sequence[tuple[str, int]], rank: int, world: int, read: Reader,
-                 write: Callable[[str, Iterator[bytes]], None]) -> dict[str, tuple[int, int]]:
+                 write: Callable[[str, Iterator[bytes]], None], prefix: str = "") -> dict[str, tuple[int, int]]:
     """Write the parity files (or copies) that `rank` is responsible for; returns {file: (size, crc32c)}.
 
     `read` reads the committed-to-be data files; `write(name, chunks)` stores one file durably.
@@ -172,7 +173,7 @@ def write_extras(scheme: Scheme, data_files: Sequence[tuple[str, int]], rank: in
         done[name] = (running.size, running.value)
 
     if scheme.kind == "rs":
-        for s, stripe in enumerate(stripes(data_files, scheme.k, scheme.m)):
+        for s, stripe in enumerate(stripes(data_files, scheme.k, scheme.m, prefix)):
             for j, name in enumerate(stripe.parity):
                 if parity_writer(s, j, scheme.k, world) == rank:
                     stored(name, encode_parity(stripe, scheme.k, scheme.m, j, read))

@@ -104,7 +104,7 @@ def write_rank_file(f: OutputFile, rank: int,
 
 
 def build_manifest(pieces: Iterable[Piece], writers: dict[Key, int], written: dict[int, tuple[list[Key], Written]],
-                   objects: dict, world_size: int, extra: dict | None = None) -> Manifest:
+                   objects: dict, world_size: int, extra: dict | None = None, prefix: str = "") -> Manifest:
     """The manifest of a save, from every rank's pieces, the writer choice and what each writer wrote."""
     stored: dict[Key, ChunkRecord] = {}
     files: dict[str, FileRecord] = {}
@@ -114,7 +114,7 @@ def build_manifest(pieces: Iterable[Piece], writers: dict[Key, int], written: di
         by_name.setdefault(piece.name, piece)
         holders.setdefault(piece.key, []).append(piece.rank)
     for rank, (keys, result) in written.items():
-        name = rank_file(rank)
+        name = prefix + rank_file(rank)
         files[name] = FileRecord(result.size, result.crc32c, rank)
         for key, byte_range, crcs in zip(keys, result.ranges, result.block_crc32c):
             stored[key] = ChunkRecord(name, key[1], key[2], byte_range, np.asarray(crcs, dtype=np.uint32), rank,
@@ -138,12 +138,14 @@ def build_manifest(pieces: Iterable[Piece], writers: dict[Key, int], written: di
 Extras = dict[str, tuple[int, int]]  # the parity files or copies one rank wrote: name -> (size, CRC-32C)
 
 
-def redundancy_record(scheme: Scheme, data_files: dict[str, FileRecord], extras: Sequence[Extras]) -> Redundancy:
+def redundancy_record(scheme: Scheme, data_files: dict[str, FileRecord], extras: Sequence[Extras],
+                      prefix: str = "") -> Redundancy:
     """The manifest's redundancy section from every rank's written parity files or copies."""
     files = {name: FileRecord(size, crc, rank) for rank, done in enumerate(extras)
              for name, (size, crc) in done.items()}
     ordered = sorted((name, record.size) for name, record in data_files.items())
-    layout = tuple((s.data, s.parity) for s in stripes(ordered, scheme.k, scheme.m)) if scheme.kind == "rs" else ()
+    layout = tuple((s.data, s.parity) for s in stripes(ordered, scheme.k, scheme.m, prefix)) \
+        if scheme.kind == "rs" else ()
     return Redundancy(str(scheme), SEGMENT, files, layout)
 
 
@@ -194,7 +196,7 @@ class SaveTransaction:
         return [p for p in pieces if self.writers.get(p.key) == rank]
 
     def write_rank(self, rank: int, chunks: Sequence[tuple[Piece, Blocks]], objects: dict[str, Any]) -> RankResult:
-        f = self.target.open(rank_file(rank))
+        f = self.target.open(self.target.file_prefix + rank_file(rank))
         try:
             written = write_rank_file(f, rank, chunks)
         finally:
@@ -205,15 +207,16 @@ class SaveTransaction:
         """This rank's parity files or copies, computed from every rank's data file (`sizes` in rank order)."""
         if self.scheme is None:
             return {}
-        data_files = [(rank_file(r), size) for r, size in enumerate(sizes)]
+        data_files = [(self.target.file_prefix + rank_file(r), size) for r, size in enumerate(sizes)]
         return write_extras(self.scheme, data_files, rank, len(sizes), self.target.read_range,
-                            partial(store, self.target))
+                            partial(store, self.target), prefix=self.target.file_prefix)
 
     def commit(self, results: Sequence[RankResult], extras: Sequence[Extras], objects: dict[str, Any]) -> Manifest:
         written = {rank: (result.keys, result.written) for rank, result in enumerate(results)}
-        manifest = build_manifest(self.pieces, self.writers, written, objects, len(results), self.extra)
+        prefix = self.target.file_prefix
+        manifest = build_manifest(self.pieces, self.writers, written, objects, len(results), self.extra, prefix)
         if self.scheme is not None:
-            manifest = replace(manifest, redundancy=redundancy_record(self.scheme, manifest.files, extras))
+            manifest = replace(manifest, redundancy=redundancy_record(self.scheme, manifest.files, extras, prefix))
         self.target.commit(manifest.to_bytes())
         return manifest
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ..distributed import save as tm_save
 from ..distributed.collective import Collective
 from ..errors import CheckpointError
+from ..storage import AnyPath
 from ..tmformat.manifest import encode_value
 from .manager import TRAIN_KEY, CheckpointInfo, CheckpointManager
 from .preemption import Preemption
@@ -59,8 +60,9 @@ class Checkpointer:
     """
 
     def __init__(self, root: str | os.PathLike, *, keep: int | None = None, async_save: bool = False,
-                 redundancy: str | None = None) -> None:
-        self._manager = CheckpointManager(root, keep)
+                 redundancy: str | None = None, storage_options: dict[str, Any] | None = None) -> None:
+        self._manager = CheckpointManager(root, keep, storage_options)
+        self.storage_options = storage_options
         self.async_save = async_save
         self.redundancy = redundancy
         self.extra: Any = None
@@ -71,14 +73,15 @@ class Checkpointer:
         self._save = Collective(dist.new_group(backend="gloo") if distributed else None)
         self._control = Collective(dist.new_group(backend="gloo") if distributed else None)
         self._staging = Staging()
-        self._resumer = Resumer(self._manager, self._control)
+        self._resumer = Resumer(self._manager, self._control, storage_options)
         self._preemption = Preemption(self._control)
         self._closed = False
         self._control.barrier()
         self._seq = self._control.decide(self._manager.prepare, "cannot use the folder", self.root)
 
     @property
-    def root(self) -> Path:
+    def root(self) -> AnyPath:
+        """The root folder, or a RemotePath for an object store's prefix."""
         return self._manager.root
 
     @property
@@ -166,14 +169,15 @@ class Checkpointer:
         self._seq += 1
         return state, meta
 
-    def _write(self, state: dict[str, Any], path: Path, meta: dict[str, Any], timing: SaveTiming,
+    def _write(self, state: dict[str, Any], path: AnyPath, meta: dict[str, Any], timing: SaveTiming,
                started: float) -> None:
-        tm_save(state, path, process_group=self._save.group, overwrite=True, extra=meta, redundancy=self.redundancy)
+        tm_save(state, path if isinstance(path, Path) else str(path), process_group=self._save.group,
+                overwrite=True, extra=meta, redundancy=self.redundancy, storage_options=self.storage_options)
         timing.durable_s = time.perf_counter() - started
         if self._save.rank == 0:
             self._manager.retain()
 
-    def _write_in_background(self, state: dict[str, Any], deferred: Sequence[DeferredCopy], path: Path,
+    def _write_in_background(self, state: dict[str, Any], deferred: Sequence[DeferredCopy], path: AnyPath,
                              meta: dict[str, Any], timing: SaveTiming, started: float) -> None:
         """The background thread's work: the deferred copies, agreed on by every rank, then the write."""
         self._staging.finish_copies(deferred, path, self._save)

@@ -1,7 +1,7 @@
 """Which training checkpoints exist under a root folder, which is newest, and which retention deletes.
 
-Decided from manifests only: a checkpoint is a folder whose manifest (its commit) carries a training
-record under `extra["tensormorph.train"]`. Folder names and modification times are never trusted.
+Decided from manifests only: a checkpoint is a folder (or an object store's prefix) whose manifest (its commit)
+carries a training record under `extra["tensormorph.train"]`. Folder names and modification times are never trusted.
 No collectives here: the Checkpointer decides which rank calls what.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, MissingFileError
-from ..storage import LocalFiles
+from ..storage import AnyPath, RemotePath, as_path, entries, store_at
 from ..tmformat.checkpoint import read_manifest
 from ..tmformat.commit import remove_abandoned
 from ..tmformat.manifest import MANIFEST, TEMP_PREFIX
@@ -32,7 +32,7 @@ class CheckpointInfo:
     """A committed training checkpoint, as its manifest describes it."""
 
     step: int
-    path: Path
+    path: AnyPath  # a local folder, or a RemotePath under an object store's root
     time: float  # seconds since the epoch when the save began
     size: int  # bytes: data files and manifest
     world_size: int
@@ -44,36 +44,38 @@ class CheckpointInfo:
 class CheckpointManager:
     """The committed checkpoints under `root`, and the deletion of those beyond the `keep` newest."""
 
-    def __init__(self, root: str | os.PathLike, keep: int | None) -> None:
+    def __init__(self, root: str | os.PathLike, keep: int | None,
+                 storage_options: dict[str, Any] | None = None) -> None:
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be at least 1 (the newest checkpoint is never deleted), got {keep}")
-        if "://" in os.fspath(root):
-            raise ValueError(f"{os.fspath(root)!r}: the Checkpointer needs a local (or shared) folder, whose renames "
-                             "commit checkpoints; tensormorph.save writes single checkpoints to object stores")
-        self.root = Path(root).absolute()
+        # an object store's root is read without the range cache: manifests are small and change
+        found = as_path(root, storage_options, cache=False)
+        self.root: AnyPath = found.absolute() if isinstance(found, Path) else found
         self.keep = keep
-        # parsed manifests by folder, valid while the manifest's (inode, mtime, size) stay the same
-        self._cache: dict[Path, tuple[tuple[int, int, int], CheckpointInfo | None]] = {}
+        # parsed manifests by folder, valid while the manifest's fingerprint (size, mtime or ETag) stays the same
+        self._cache: dict[str, tuple[tuple[int, int | str], CheckpointInfo | None]] = {}
 
-    def path(self, step: int) -> Path:
+    @property
+    def url(self) -> str | None:
+        """The root's URL when it is on an object store, else None."""
+        return None if isinstance(self.root, Path) else str(self.root)
+
+    def path(self, step: int) -> AnyPath:
         return self.root / f"{FOLDER_PREFIX}{step:08d}"
 
     def prepare(self) -> int:
         """Create the root and remove what crashed saves left behind; the highest commit number so far.
         One process (rank 0) calls it."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        # a save in progress in another process (its marker still locked) is left alone
-        remove_abandoned(self.root)
+        if isinstance(self.root, Path):
+            self.root.mkdir(parents=True, exist_ok=True)
+            # a save in progress in another process (its marker still locked) is left alone
+            remove_abandoned(self.root)
         return max((info.seq for info in self.list()), default=0)
 
     def list(self) -> list[CheckpointInfo]:
         """Committed training checkpoints under the root, oldest first (by commit order)."""
         found = []
-        try:
-            children = list(self.root.iterdir())
-        except FileNotFoundError:
-            return []
-        for child in children:
+        for child in entries(self.root):
             if child.name.startswith(TEMP_PREFIX) or not child.is_dir():
                 continue
             info = self._info(child)
@@ -96,28 +98,34 @@ class CheckpointManager:
         except OSError as exc:
             warnings.warn(f"could not delete an old checkpoint under {self.root}: {exc}", stacklevel=2)
 
-    def _delete(self, folder: Path) -> None:
+    def _delete(self, folder: AnyPath) -> None:
+        self._cache.pop(str(folder), None)
+        if isinstance(folder, RemotePath):
+            # the manifest first: from then on the prefix is no checkpoint, whatever of its files remain
+            fs, key = folder.remote.fs, folder.remote.path(folder.url)
+            fs.rm_file(f"{key}/{MANIFEST}")
+            fs.rm(key, recursive=True)
+            return
         # renamed out of sight first: a crash mid-delete leaves a temporary folder, never a broken checkpoint
-        doomed = self.root / f"{TEMP_PREFIX}deleting-{folder.name}-{uuid.uuid4().hex[:12]}"
+        doomed = folder.parent / f"{TEMP_PREFIX}deleting-{folder.name}-{uuid.uuid4().hex[:12]}"
         try:
             os.rename(folder, doomed)
         except FileNotFoundError:
             return
-        self._cache.pop(folder, None)
         shutil.rmtree(doomed, ignore_errors=True)
 
-    def _info(self, folder: Path) -> CheckpointInfo | None:
-        manifest_path = folder / MANIFEST
+    def _info(self, folder: AnyPath) -> CheckpointInfo | None:
+        files = store_at(folder)
         try:
-            stat = manifest_path.stat()
-        except (FileNotFoundError, NotADirectoryError):
+            _, manifest_size, version = files.fingerprint(MANIFEST)
+        except (MissingFileError, NotADirectoryError, FileNotFoundError):
             return None  # not a checkpoint (or one being deleted right now)
-        key = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
-        cached = self._cache.get(folder)
+        key = (manifest_size, version)
+        cached = self._cache.get(str(folder))
         if cached is not None and cached[0] == key:
             return cached[1]
         try:
-            manifest = read_manifest(LocalFiles(folder), str(folder))  # size-capped before it is read
+            manifest = read_manifest(files, str(folder))  # size-capped before it is read
         except MissingFileError:
             return None
         except CheckpointError as exc:
@@ -128,11 +136,11 @@ class CheckpointManager:
         if meta is not None:  # other Tensormorph checkpoints in the folder are not training checkpoints
             try:
                 info = CheckpointInfo(step=int(meta["step"]), path=folder, time=float(meta["time"]),
-                                      size=sum(f.size for f in manifest.files.values()) + stat.st_size,
+                                      size=sum(f.size for f in manifest.files.values()) + manifest_size,
                                       world_size=manifest.world_size, mesh=meta.get("mesh"), seq=int(meta["seq"]),
                                       components=tuple(meta["components"]))
             except (KeyError, TypeError, ValueError) as exc:
                 warnings.warn(f"ignoring a checkpoint whose manifest has an incomplete training record ({exc!r}): "
-                              f"{manifest_path}", stacklevel=4)
-        self._cache[folder] = (key, info)
+                              f"{folder / MANIFEST}", stacklevel=4)
+        self._cache[str(folder)] = (key, info)
         return info

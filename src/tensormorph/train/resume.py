@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from ..distributed import load as tm_load
 from ..distributed.collective import Collective
 from ..errors import CheckpointError
-from ..storage import LocalFiles
+from ..storage import AnyPath, as_path, store_at
 from ..tmformat.checkpoint import read_manifest
 from . import rng
 from .manager import TRAIN_KEY, CheckpointManager
@@ -40,13 +40,15 @@ class Resumer:
     """Resumes from the checkpoints of `manager` on `control`'s ranks. A generator restore that must wait
     for the data loader's first index is held here meanwhile: it is the state a save in between captures."""
 
-    def __init__(self, manager: CheckpointManager, control: Collective) -> None:
+    def __init__(self, manager: CheckpointManager, control: Collective,
+                 storage_options: dict[str, Any] | None = None) -> None:
         self._manager = manager
         self._control = control
+        self._storage_options = storage_options
         self._pending: _Generators | None = None
         self._pending_data: tuple[Any, dict[str, Any]] | None = None  # a StatefulDataLoader's, until it iterates
 
-    def choose(self, step: int | None) -> Path | None:
+    def choose(self, step: int | None) -> AnyPath | None:
         """The checkpoint to resume: the newest, or the newest of `step`; None when there is none.
         Rank 0 lists the checkpoints for all ranks (collective)."""
         found = self._control.decide(lambda: [(i.step, str(i.path)) for i in self._manager.list()],
@@ -55,14 +57,14 @@ class Resumer:
             found = [f for f in found if f[0] == step]
             if not found:
                 raise CheckpointError(f"has no committed checkpoint of step {step}", file=str(self._manager.root))
-        return Path(found[-1][1]) if found else None
+        return as_path(found[-1][1], self._storage_options, cache=False) if found else None
 
-    def restore(self, path: Path, *, model: Any, optimizer: Any, scheduler: Any, scaler: Any, dataloader: Any,
+    def restore(self, path: AnyPath, *, model: Any, optimizer: Any, scheduler: Any, scaler: Any, dataloader: Any,
                 strict: bool) -> tuple[int, Any]:
         """Load the checkpoint at `path` into what is given (collective); its step and its `extra`."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        manifest = read_manifest(LocalFiles(path), str(path))
+        manifest = read_manifest(store_at(path), str(path))
         meta = manifest.extra[TRAIN_KEY]
         given = optimizers(optimizer)
         target: dict[str, Any] = {"step": None, **component_states(model, given, scheduler, scaler)}
@@ -74,7 +76,8 @@ class Resumer:
         if dataloader is not None and not any(n.startswith("data.rank") for n in manifest.objects):
             target["data.rank0"] = None  # reported as missing: the checkpoint holds no data position
 
-        tm_load(path, target, strict=strict)
+        tm_load(path if isinstance(path, Path) else str(path), target, strict=strict,
+                storage_options=self._storage_options)
 
         if model is not None:
             if given:
@@ -106,7 +109,7 @@ class Resumer:
         assert sampler is not None
         return {"kind": kind, "state": sampler.state_dict(), "generator": generator}
 
-    def _restore_position(self, path: Path, meta: dict[str, Any], target: dict[str, Any], dataloader: Any) -> None:
+    def _restore_position(self, path: AnyPath, meta: dict[str, Any], target: dict[str, Any], dataloader: Any) -> None:
         """The data position and the generators; per-rank random streams are re-seeded from the run's seed,
         the step and the rank on another world size."""
         rank, world = self._control.rank, self._control.world

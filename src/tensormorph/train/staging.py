@@ -14,7 +14,6 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from ..distributed.collective import Collective
 from ..errors import CheckpointError
+from ..storage import AnyPath
 from .state import walk
 
 __all__ = ["DeferredCopy", "SaveTiming", "Staging"]
@@ -32,7 +32,7 @@ class SaveTiming:
     """How long one `save` held up the training loop, and when the checkpoint became durable."""
 
     step: int
-    path: Path
+    path: AnyPath  # a local folder, or a RemotePath on an object store
     blocked_s: float = 0.0  # inside save() (waiting for the previous save, capturing), plus the optimizer
     # step's wait for the background copy
     durable_s: float | None = None  # from the call until the commit; None while in flight
@@ -66,7 +66,7 @@ def _owned_by(model: Any, optimizers: tuple[Any, ...]) -> set[int]:
     return owned
 
 
-def _copy_deferred(deferred: Sequence[DeferredCopy], path: Path) -> None:
+def _copy_deferred(deferred: Sequence[DeferredCopy], path: AnyPath) -> None:
     for job in deferred:
         job.buffer.copy_(job.source)
         # unchanged after the copy: nothing wrote to it since save() began, so the copy is whole
@@ -116,7 +116,7 @@ class Staging:
             self.thread = None
             raise
 
-    def finish_copies(self, deferred: Sequence[DeferredCopy], path: Path, collective: Collective) -> None:
+    def finish_copies(self, deferred: Sequence[DeferredCopy], path: AnyPath, collective: Collective) -> None:
         """Make the deferred copies (background thread); raise on every rank when any rank's copy failed,
         so that none is left waiting inside the save's collectives. A failed rank raises its own error."""
         own: Exception | None = None
