@@ -14,7 +14,7 @@ import re
 
 from ..core import Checkpoint, Chunk, LogicalTensor
 from ..errors import HeaderError
-from ..storage import AnyPath, entries, probe, read_head, store_at
+from ..storage import AnyPath, entries, prefetched, probe, read_head, store_at
 from ..tiling import validate_tiling
 from . import safetensors as st
 from .contract import Detection, no_checksums
@@ -56,12 +56,11 @@ def open(detection: Detection) -> Checkpoint:
     candidates = detection.found or _files(path)
     root = path if path.is_dir() else path.parent
     files = store_at(root)
-    files.prefetch([candidate.name for candidate in candidates])
+    windows = prefetched(files, [candidate.name for candidate in candidates])
     pieces: dict[str, list[Chunk]] = {}
     dtypes: dict[str, tuple[str, str]] = {}
     file_metadata = {}
-    for candidate in candidates:
-        name = candidate.name
+    for candidate, name in zip(candidates, windows):
         header = st.read_header(files, name)
         where = str(candidate)
         raw = header.metadata.get(SHARDING_KEY)

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..core import Checkpoint, LogicalTensor, ObjectEntry
 from ..errors import CheckpointError, HeaderError, MissingFileError, TensorNotFoundError
-from ..storage import AnyPath, ByteStore, entries, lexists, read_head, store_at
+from ..storage import AnyPath, ByteStore, entries, lexists, prefetched, read_head, store_at
 from . import safetensors as st
 from . import torch_pickle
 from .contract import Detection
@@ -136,8 +136,7 @@ def open(detection: Detection) -> Checkpoint:
     file_metadata: dict[str, dict[str, str]] = {}
     numbers = {name: k for k, name in enumerate(sorted(shard_names), start=1)}  # "shard k of n" follows file names
     read: dict[str, _Shard] = {}  # by resolved path: a file behind many names is read once
-    files.prefetch(shard_names)
-    for shard in shard_names:
+    for shard in prefetched(files, shard_names):
         file_shard = (numbers[shard], len(shard_names))
         if not files.exists(shard):
             held = sorted(by_shard.get(shard, ()))

@@ -28,12 +28,12 @@ from .local import (
     read_small,
 )
 from .local import read_head as _read_local_head
-from .remote import RangedBuffer, Remote, RemoteFiles, RemotePath, is_url, local_path
+from .remote import PREFETCH_WINDOW, RangedBuffer, Remote, RemoteFiles, RemotePath, is_url, local_path
 
 __all__ = ["MAX_JSON_VALUES", "NEW_FILE_FLAGS", "AnyPath", "Buffer", "ByteStore", "LocalFiles", "Remote",
            "RemoteFiles", "RemotePath", "as_path", "create_new", "entries", "is_url", "lexists", "local_path",
-           "open_regular", "parse_json", "probe", "read_capped", "read_head", "read_small", "remote_cache",
-           "remote_defaults", "remote_options", "store_at"]
+           "open_regular", "parse_json", "prefetched", "probe", "read_capped", "read_head", "read_small",
+           "remote_cache", "remote_defaults", "remote_options", "store_at"]
 
 Run = tuple[int, int]  # [begin, end) byte offsets in one file
 AnyPath = Path | RemotePath  # a checkpoint's file or folder: local, or under a URL
@@ -90,6 +90,15 @@ def remote_cache(option: str | os.PathLike[str] | bool) -> Any:
     from .range_cache import RangeCache, default_cache_folder  # needed only for remote checkpoints
 
     return RangeCache(default_cache_folder() if option is True else Path(option))
+
+
+def prefetched(files: ByteStore, names: Sequence[str]) -> Iterator[str]:
+    """`names`, in order, each window of PREFETCH_WINDOW of them after the store fetched their sizes and first bytes
+    at once: a remote checkpoint of many files opens in overlapped round trips, holding a bounded amount."""
+    for start in range(0, len(names), PREFETCH_WINDOW):
+        window = names[start:start + PREFETCH_WINDOW]
+        files.prefetch(window)
+        yield from window
 
 
 def store_at(folder: AnyPath) -> ByteStore:

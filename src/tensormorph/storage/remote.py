@@ -33,7 +33,9 @@ COALESCE_SLACK = 0.05  # ... as long as all the gaps fetched add at most this sh
 MAX_CONCURRENT_REQUESTS = 32  # ranged requests in flight at once, per read
 HEAD_BLOCK = 4096  # small reads of a lazily parsed file (a zip directory) fetch and keep aligned blocks this big
 HEAD_BLOCKS_KEPT = 256  # ... up to this many blocks per file (1 MiB)
-FIRST_READ = 64 * 1024  # a length-prefixed header (safetensors) is read with its first this many bytes: one request
+FIRST_READ = 64 * 1024  # a file's header is read with its first this many bytes: one request for most headers
+HEADS_KEPT_BYTES = 32 * 1024**2  # first reads kept (least recently used dropped first): 512 files' at most
+PREFETCH_WINDOW = 256  # files whose first reads are asked for at once, so what is kept stays under the cap
 HTTP_PROTOCOLS = ("http", "https")
 
 
@@ -82,6 +84,9 @@ class Remote:
     protocol: str
     cache: Any = None  # a RangeCache, or None to read straight from the server
     infos: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    # the first FIRST_READ bytes of files, by URL: detection, headers and indexes read them once
+    heads: OrderedDict[str, bytes] = field(default_factory=OrderedDict)
+    head_bytes: int = 0  # the bytes `heads` holds
     requests: int = 0  # ranged requests made, for the benchmarks
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -146,7 +151,6 @@ class RemoteFiles:
         self.remote = remote or Remote.for_url(self.url, storage_options, cache)
         self.header_bytes_read = 0
         self._blocks: dict[str, OrderedDict[int, bytes]] = {}
-        self._heads: dict[str, bytes] = {}  # the first bytes of files whose headers `prefetch` fetched
 
     @property
     def fs(self) -> Any:
@@ -222,11 +226,30 @@ class RemoteFiles:
         info = self.remote.info(self._url(name))
         if info is None:
             return b""
-        count = min(length, int(info["size"]))
-        return self.read(name, 0, count) if count else b""
+        size = int(info["size"])
+        if length <= FIRST_READ:
+            return self._first(name, size)[:length]
+        return self.read(name, 0, min(length, size)) if size else b""
+
+    def _first(self, name: str, size: int) -> bytes:
+        """The file's first min(size, FIRST_READ) bytes, fetched once and kept in the shared Remote."""
+        url, heads = self._url(name), self.remote.heads
+        with self.remote.lock:
+            data = heads.get(url)
+            if data is not None:
+                heads.move_to_end(url)
+                return data
+        data = self.read_ranges(name, [(0, min(size, FIRST_READ))])[0] if size else b""
+        with self.remote.lock:
+            if url not in heads:
+                heads[url] = data
+                self.remote.head_bytes += len(data)
+            while self.remote.head_bytes > HEADS_KEPT_BYTES and len(heads) > 1:
+                self.remote.head_bytes -= len(heads.popitem(last=False)[1])
+        return data
 
     def read(self, name: str, offset: int, length: int) -> bytes:
-        head = self._heads.get(name)
+        head = self.remote.heads.get(self._url(name))
         if head is not None and offset + length <= len(head):
             data = head[offset:offset + length]
         else:
@@ -235,18 +258,17 @@ class RemoteFiles:
         return data
 
     def prefetch(self, names: Sequence[str], head: int = FIRST_READ) -> None:
-        """Ask for many files' sizes and first `head` bytes at once (MAX_CONCURRENT_REQUESTS in flight): opening
-        a checkpoint of many files then costs about two round trips per file, overlapped, not in sequence."""
-        wanted = [name for name in dict.fromkeys(names) if name not in self._heads]
+        """Ask for many files' sizes (and, with `head`, first bytes) at once, MAX_CONCURRENT_REQUESTS in flight:
+        opening a checkpoint of many files then costs about two round trips per file, overlapped. Give at most
+        PREFETCH_WINDOW names at a time for first bytes (see `prefetched`), so that they stay kept until read."""
 
         def one(name: str) -> None:
             info = self.remote.info(self._url(name))
             if info is not None and head:
-                count = min(head, int(info["size"]))
-                self._heads[name] = self.read_ranges(name, [(0, count)])[0] if count else b""
+                self._first(name, int(info["size"]))
 
         with ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS) as pool:
-            list(pool.map(one, wanted))
+            list(pool.map(one, dict.fromkeys(names)))
 
     def read_prefixed(self, name: str, max_length: int) -> tuple[int, int, bytes]:
         """(file size, length, the `length` bytes after an 8-byte little-endian length at offset 0), in one
@@ -254,7 +276,8 @@ class RemoteFiles:
         size = self.size(name)
         if size < 8:
             return size, -1, b""
-        first = self.read(name, 0, min(size, FIRST_READ))
+        first = self._first(name, size)
+        self.header_bytes_read += len(first)
         length = int.from_bytes(first[:8], "little")
         if length > min(max_length, size - 8):
             return size, length, b""
@@ -325,7 +348,6 @@ class RemoteFiles:
 
     def close(self) -> None:
         self._blocks.clear()
-        self._heads.clear()
 
     def block(self, name: str, index: int) -> bytes:
         """Aligned block `index` (HEAD_BLOCK bytes) of a file, kept for the small reads of a lazy parse."""
