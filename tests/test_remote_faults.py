@@ -286,3 +286,34 @@ def test_nothing_is_written_locally_but_the_cache(proxy, tmp_path):
     assert_model(tm.open(hub_url(proxy, "model", "model.safetensors"), cache=cache))
     assert [p.name for p in cache.iterdir()] == ["ranges-v1"]
     assert os.listdir(cache / "ranges-v1")
+
+
+@pytest.mark.parametrize("name", ["%2e%2e/%2e%2e/%2e%2e/model.safetensors", "x?download=1", "a#b.safetensors"])
+def test_escaped_names_stay_below_the_prefix_over_http(name, folders, proxy, hub, tmp_path):
+    """An HTTP client decodes %2e%2e and reads ? and # specially: such names are quoted, so the request is for a
+    file of that literal name below the repo (missing here), never for one elsewhere on the host."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copy(folders / "model" / "model.safetensors", repo)
+    (repo / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": name,
+                                                                                  "b": "model.safetensors"}}))
+    label = f"escaped-{abs(hash(name))}"
+    hub.add(f"org/{label}", repo)
+    proxy.reset()
+    with pytest.raises(MissingFileError):
+        tm.open(hub_url(proxy, label, "model.safetensors.index.json"), cache=False)
+    prefix = f"/org/{label}/resolve/main/"
+    assert proxy.requests and all(r.path.startswith(prefix) for r in proxy.requests), [r.path for r in proxy.requests]
+    assert not any(r.query for r in proxy.requests)
+
+
+def test_one_failed_range_is_retried_alone(proxy):
+    """Of many ranged GETs of one read, the one that fails is asked for again by itself, not the whole batch."""
+    ck = tm.open(hub_url(proxy, "model", "model.safetensors"), cache=False)
+    proxy.reset()
+    proxy.fail_next(1, status=503, path_contains="model.safetensors")
+    rows = ck["w"][0:256:8, 0:16]  # 32 separate row pieces: 32 requests
+    assert np.array_equal(rows, WEIGHT[0:256:8, 0:16])
+    gets = [r for r in proxy.requests if r.method == "GET"]
+    assert len(gets) == 33, len(gets)  # 32 pieces and one retry
+    proxy.clear_faults()

@@ -103,3 +103,44 @@ def test_checkpointer_on_s3_keeps_lists_and_resumes_exactly(s3):
     assert again.resume(model=fresh, optimizer=fresh_opt) == 3 and again.extra == {"loss": 3.0}
     assert all(torch.equal(expected[name], value) for name, value in fresh.state_dict().items())
     assert _train(fresh, fresh_opt, 3) == after_save  # the losses after resume are bitwise the same
+
+
+def test_a_failure_after_the_manifest_put_keeps_the_new_checkpoint(s3, monkeypatch):
+    """Once the manifest is PUT the save is committed: a failure tidying up (removing the marker, deleting the
+    replaced files) is a warning, and nothing of the new checkpoint is deleted."""
+    url = f"s3://{BUCKET}/tidy"
+    tm.save(_state(1.0), url, storage_options=s3.storage_options)
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError("DeleteObject denied")
+
+    with monkeypatch.context() as patch:
+        # fsspec keeps one client per set of options: the one the save uses
+        patch.setattr(s3fs.S3FileSystem(**s3.storage_options), "rm_file", refuse)
+        with pytest.warns(UserWarning, match="committed, but tidying up after it failed"):
+            tm.save(_state(2.0), url, storage_options=s3.storage_options, overwrite=True)
+    ck = tm.open(url, storage_options=s3.storage_options, cache=False)
+    assert np.array_equal(ck["w"].full(), np.full((64, 32), 2.0, np.float32))
+
+
+def test_an_old_manifest_naming_the_manifest_cannot_make_the_overwrite_delete_it(s3):
+    url = f"s3://{BUCKET}/crafted"
+    tm.save(_state(1.0), url, storage_options=s3.storage_options)
+    fs = s3fs.S3FileSystem(**s3.storage_options)
+    raw = json.loads(fs.cat_file(f"{BUCKET}/crafted/{MANIFEST}"))
+    body = raw["body"]
+    data = sorted(body["files"])[0]
+    body["files"] = {MANIFEST: body["files"][data], **body["files"]}  # names the manifest itself as a data file
+    fs.pipe_file(f"{BUCKET}/crafted/{MANIFEST}", json.dumps(raw).encode())  # its checksum no longer matches
+    tm.save(_state(4.0), url, storage_options=s3.storage_options, overwrite=True)
+    ck = tm.open(url, storage_options=s3.storage_options, cache=False)
+    assert np.array_equal(ck["w"].full(), np.full((64, 32), 4.0, np.float32))
+
+
+def test_a_checkpointer_sees_what_another_saved_since_its_last_listing(s3):
+    root = f"s3://{BUCKET}/watched"
+    model, opt = _model()
+    watcher = Checkpointer(root, storage_options=s3.storage_options)
+    assert watcher.list() == []
+    Checkpointer(root, storage_options=s3.storage_options).save(5, model=model, optimizer=opt)
+    assert [info.step for info in watcher.list()] == [5]

@@ -4,7 +4,7 @@
 instead of searching and reading again; `tm.open(path, format=...)` skips detection and hands `open`
 a Detection of the bare path. Readers return data (a `Checkpoint` of frozen records) and read bytes
 only through the checkpoint's byte store: `open` makes the store, and everything after it uses only the
-`storage.ByteStore` / `ByteStore` protocols, never asking which store it has.
+`storage.ByteStore` protocol, never asking which store it has (local, or remote behind a URL).
 """
 
 from __future__ import annotations

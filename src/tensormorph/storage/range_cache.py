@@ -106,6 +106,10 @@ class RangeCache:
         self.folder = Path(folder)
         self.dir = self.folder / _LAYOUT
         self.max_bytes = max_bytes
+        # bytes stored since the folder was last scanned, over what it held then: eviction scans the folder only
+        # when the two together could pass max_bytes, not after every miss
+        self._held_at_scan: int | None = None
+        self._stored_since_scan = 0
         self.stats = CacheStats()
         self._stats_lock = threading.Lock()
         try:
@@ -149,7 +153,9 @@ class RangeCache:
             starts, views = [begin for begin, _ in wanted], [memoryview(data) for data in fetched]
             if key.size <= self.max_bytes:
                 self._store(name, key, list(zip(starts, views)), corrupt)
-                self._evict()
+                self._stored_since_scan += sum(len(v) for v in views)
+                if self._held_at_scan is None or self._held_at_scan + self._stored_since_scan > self.max_bytes:
+                    self._evict()
 
         def resolved(part: memoryview | Run) -> memoryview:
             if not isinstance(part, tuple):
@@ -338,8 +344,11 @@ class RangeCache:
         """Remove the least recently used entries until the cache holds at most max_bytes."""
         entries = self._scan()
         total = sum(held for held, _, _ in entries.values())
+        self._stored_since_scan = 0
+        self._held_at_scan = total  # other processes may add to it meanwhile: the next scan sees their bytes
         for name, (held, _, files) in sorted(entries.items(), key=lambda item: (item[1][1], item[0])):
             if total <= self.max_bytes:
+                self._held_at_scan = total
                 return
             try:
                 lock = self._lock(name, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -350,6 +359,7 @@ class RangeCache:
             finally:
                 os.close(lock)
             total -= held
+        self._held_at_scan = total
 
     def _remove(self, name: str, files: list[str]) -> None:
         """Unlink an entry's files, the index before the data; its lock file last, while the caller holds it."""

@@ -18,8 +18,10 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, overload
+from urllib.parse import quote
 
 from ..errors import HeaderError, MissingFileError, TruncatedFileError, UnsafePathError, UnsupportedError
 from ..extras import require_for_url
@@ -37,6 +39,8 @@ FIRST_READ = 64 * 1024  # a file's header is read with its first this many bytes
 HEADS_KEPT_BYTES = 32 * 1024**2  # first reads kept (least recently used dropped first): 512 files' at most
 PREFETCH_WINDOW = 256  # files whose first reads are asked for at once, so what is kept stays under the cap
 HTTP_PROTOCOLS = ("http", "https")
+CONNECT_TIMEOUT_S = 30  # a connection not made in this long fails (and is retried)
+READ_TIMEOUT_S = 60  # a response that sends nothing for this long fails (and is retried)
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -75,6 +79,19 @@ def coalesce(runs: Sequence[Run], gap: int = COALESCE_GAP, slack: float = COALES
     return out
 
 
+def _with_timeouts(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with connect and read timeouts where the user set none: a stalled server fails the request (then
+    retried) instead of holding it for the client's default of minutes."""
+    if protocol in HTTP_PROTOCOLS and "timeout" not in options.get("client_kwargs", {}):
+        import aiohttp  # fsspec's HTTP client
+
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
+        return {**options, "client_kwargs": {**options.get("client_kwargs", {}), "timeout": timeout}}
+    if protocol in ("s3", "s3a") and "config_kwargs" not in options:
+        return {**options, "config_kwargs": {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S}}
+    return options
+
+
 @dataclass
 class Remote:
     """What every store and path of one remote checkpoint shares: the file system client, what is known of each
@@ -87,14 +104,16 @@ class Remote:
     # the first FIRST_READ bytes of files, by URL: detection, headers and indexes read them once
     heads: OrderedDict[str, bytes] = field(default_factory=OrderedDict)
     head_bytes: int = 0  # the bytes `heads` holds
-    requests: int = 0  # ranged requests made, for the benchmarks
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def for_url(cls, url: str, storage_options: dict[str, Any] | None = None, cache: Any = None) -> Remote:
         fsspec = require_for_url(url, feature=f"reading {url}")
         protocol = url.split("://", 1)[0].lower()
-        fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        try:
+            fs, _ = fsspec.core.url_to_fs(url, **_with_timeouts(protocol, storage_options or {}))
+        except (ValueError, ImportError) as exc:  # an unknown protocol, or one whose package is missing
+            raise UnsupportedError(f"cannot open this URL: {exc}", file=url) from None
         return cls(fs, protocol, cache)
 
     @property
@@ -107,13 +126,26 @@ class Remote:
         passing failures themselves, so one more try of ours covers what they give up on, without multiplying."""
         return MAX_ATTEMPTS if self.is_http else 2
 
+    def forget(self, prefix: str) -> None:
+        """Drop what is known of the objects under URL `prefix` (sizes, versions, first bytes, the client's listing
+        cache): for what changes while we watch, such as a training run's checkpoints."""
+        with self.lock:
+            for url in [u for u in self.infos if u.startswith(prefix)]:
+                del self.infos[url]
+            for url in [u for u in self.heads if u.startswith(prefix)]:
+                self.head_bytes -= len(self.heads.pop(url))
+        invalidate = getattr(self.fs, "invalidate_cache", None)
+        if invalidate is not None:
+            invalidate(self.path(prefix))
+
     def path(self, url: str) -> str:
         """What the fs calls the object at `url` (object stores drop the scheme; HTTP keeps the URL)."""
         return str(self.fs._strip_protocol(url))  # fsspec's own spelling (memory:// keeps a leading "/")
 
-    def info(self, url: str) -> dict[str, Any] | None:
-        """The object's size and version (None when there is no object there), asked once per URL."""
-        if url in self.infos:
+    def info(self, url: str, *, fresh: bool = False) -> dict[str, Any] | None:
+        """The object's size and version (None when there is no object there), asked once per URL unless `fresh`
+        (what changes while we watch: a training run's manifests)."""
+        if url in self.infos and not fresh:
             return self.infos[url]
 
         def ask() -> dict[str, Any] | None:
@@ -126,7 +158,12 @@ class Remote:
                                           or "Redirect" in type(cause).__name__):
                     raise cause from None
                 return None
-            return found if found.get("type", "file") == "file" else None
+            if found.get("type", "file") != "file":
+                return None
+            if found.get("size") is None:
+                raise UnsupportedError("the server does not say how large the object is (no Content-Length); "
+                                       "ranged reads need its size", file=url)
+            return found
 
         found = with_retries(ask, url, attempts=self.attempts)
         with self.lock:
@@ -151,6 +188,7 @@ class RemoteFiles:
         self.remote = remote or Remote.for_url(self.url, storage_options, cache)
         self.header_bytes_read = 0
         self._blocks: dict[str, OrderedDict[int, bytes]] = {}
+        self._blocks_lock = threading.Lock()
 
     @property
     def fs(self) -> Any:
@@ -160,9 +198,11 @@ class RemoteFiles:
         """The URL of `name`, which must stay under this store's prefix (on the same host)."""
         parts = name.split("/")
         if (not name or name.startswith("/") or "\\" in name or "\x00" in name or "://" in name
-                or ".." in parts or "" in parts[:-1]):
+                or ".." in parts or "." in parts or "" in parts[:-1]):
             raise UnsafePathError(f"names file {name!r}, which is outside the checkpoint", file=referrer or self.url)
-        return f"{self.url}/{name}"
+        # an HTTP client decodes %2e%2e into ".." and reads "?" and "#" as a query and a fragment: quoted, a name
+        # is only ever a path below the prefix
+        return f"{self.url}/{quote(name, safe='/') if self.remote.is_http else name}"
 
     def describe(self, name: str, *, referrer: str | None = None) -> str:
         return self._url(name, referrer)
@@ -203,9 +243,13 @@ class RemoteFiles:
         names = []
         for entry in entries:
             base = posixpath.basename(str(entry["name"]).rstrip("/"))
-            if entry.get("type") == "file":
+            try:
+                child = self._url(f"{name}/{base}" if name else base)
+            except UnsafePathError:
+                continue  # an object no checkpoint could name (a backslash, say) is no file of ours
+            if entry.get("type") == "file" and entry.get("size") is not None:
                 with self.remote.lock:
-                    self.remote.infos.setdefault(f"{url}/{base}", entry)
+                    self.remote.infos[child] = entry  # a listing is as fresh as a HEAD
             names.append(base)
         return sorted(set(names))
 
@@ -309,30 +353,37 @@ class RemoteFiles:
         for begin, end in runs:
             if not 0 <= begin <= end <= size:
                 raise TruncatedFileError(f"expected bytes [{begin}, {end}), but the object holds {size}", file=url)
-        if self.remote.cache is not None:
+        version = _version(self._info(name))
+        if self.remote.cache is not None and version:  # without a version a changed object could not be told
             from .range_cache import ObjectKey  # the cache module is optional at run time: only used when set
 
-            key = ObjectKey(url, size, _version(self._info(name)))
-            return list(self.remote.cache.read(key, list(runs), lambda missing: self._fetch(url, missing)))
+            # the cache asks for its missing ranges already merged (within its own gap budget): fetched as they are
+            return list(self.remote.cache.read(ObjectKey(url, size, version), list(runs),
+                                               lambda missing: self._fetch(url, missing, merge=False)))
         return self._fetch(url, runs)
 
-    def _fetch(self, url: str, runs: Sequence[Run]) -> builtins.list[bytes]:
-        """Each run's bytes, from the server: one request per coalesced range, MAX_CONCURRENT_REQUESTS at once."""
-        requests = coalesce(runs)
+    def _fetch(self, url: str, runs: Sequence[Run], *, merge: bool = True) -> builtins.list[bytes]:
+        """Each run's bytes, from the server: one request per coalesced range (`merge=False`: per run, overlapping
+        ones joined), MAX_CONCURRENT_REQUESTS at once; a range that fails is retried alone."""
+        requests = coalesce(runs) if merge else coalesce(runs, gap=0)
         if not requests:
             return [b"" for _ in runs]
         path = self.remote.path(url)
-        parts = with_retries(lambda: self.fs.cat_ranges([path] * len(requests), [b for b, _ in requests],
-                                                        [e for _, e in requests], on_error="raise",
-                                                        batch_size=MAX_CONCURRENT_REQUESTS), url,
-                             attempts=self.remote.attempts)
-        self.remote.requests += len(requests)
+        parts: list[Any] = with_retries(
+            lambda: self.fs.cat_ranges([path] * len(requests), [b for b, _ in requests], [e for _, e in requests],
+                                       on_error="return", batch_size=MAX_CONCURRENT_REQUESTS),
+            url, attempts=self.remote.attempts)
+        def one(begin: int, end: int) -> bytes:
+            return bytes(self.fs.cat_file(path, start=begin, end=end))
+
+        for k, ((begin, end), part) in enumerate(zip(requests, parts)):
+            if isinstance(part, BaseException):
+                parts[k] = with_retries(partial(one, begin, end), url, attempts=self.remote.attempts, failed=part)
+            if len(parts[k]) != end - begin:
+                raise TruncatedFileError(f"asked for bytes [{begin}, {end}), the server sent {len(parts[k])} bytes",
+                                         file=url)
         starts = [b for b, _ in requests]
         out = []
-        for (begin, end), part in zip(requests, parts):
-            if len(part) != end - begin:
-                raise TruncatedFileError(f"asked for bytes [{begin}, {end}), the server sent {len(part)} bytes",
-                                         file=url)
         for begin, end in runs:
             k = bisect.bisect_right(starts, begin) - 1
             first = requests[k][0]
@@ -347,20 +398,23 @@ class RemoteFiles:
         return None  # nothing is mapped: reads fetch exactly their runs
 
     def close(self) -> None:
-        self._blocks.clear()
+        with self._blocks_lock:
+            self._blocks.clear()
 
     def block(self, name: str, index: int) -> bytes:
         """Aligned block `index` (HEAD_BLOCK bytes) of a file, kept for the small reads of a lazy parse."""
-        kept = self._blocks.setdefault(name, OrderedDict())
-        data = kept.get(index)
-        if data is None:
-            begin = index * HEAD_BLOCK
-            data = self.read(name, begin, min(HEAD_BLOCK, self.size(name) - begin))
+        with self._blocks_lock:  # the viewer reads one store from several threads
+            kept = self._blocks.setdefault(name, OrderedDict())
+            data = kept.get(index)
+            if data is not None:
+                kept.move_to_end(index)
+                return data
+        begin = index * HEAD_BLOCK
+        data = self.read(name, begin, min(HEAD_BLOCK, self.size(name) - begin))
+        with self._blocks_lock:
             kept[index] = data
             while len(kept) > HEAD_BLOCKS_KEPT:
                 kept.popitem(last=False)
-        else:
-            kept.move_to_end(index)
         return data
 
 

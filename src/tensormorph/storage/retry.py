@@ -18,6 +18,10 @@ MAX_ATTEMPTS = 5  # a request is tried at most this many times; passing failures
 FIRST_BACKOFF_S = 0.05  # the wait before the second try, doubled before each further one, with jitter
 MAX_BACKOFF_S = 2.0
 RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})  # timeouts, throttling and server errors
+# names of aiohttp's exception types for failures of the connection or the body, not of the request itself
+# (an invalid URL or a certificate error stays one, however often it is tried)
+PASSING_KINDS = ("ServerDisconnected", "ClientPayloadError", "ClientConnectionResetError", "ClientOSError",
+                 "ServerTimeout", "ClientConnectorError")
 # words botocore and aiohttp put in the messages of passing failures that reach us as plain OSErrors
 PASSING_WORDS = ("SlowDown", "Throttl", "ServiceUnavailable", "InternalError", "RequestTimeout",
                  "Connection reset", "Server disconnected", "Response payload is not completed",
@@ -53,10 +57,10 @@ def is_passing(exc: BaseException) -> bool:
     if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
         return True
     text = f"{type(exc).__name__}: {exc}"
-    return any(word in text for word in PASSING_WORDS) or type(exc).__module__.startswith("aiohttp")
+    return any(word in text for word in PASSING_WORDS) or any(kind in type(exc).__name__ for kind in PASSING_KINDS)
 
 
-def as_checkpoint_error(exc: BaseException, url: str) -> CheckpointError:
+def as_checkpoint_error(exc: BaseException, url: str, attempts: int = MAX_ATTEMPTS) -> CheckpointError:
     """A one-line CheckpointError naming `url` for a failure that retrying does not mend."""
     if isinstance(exc, CheckpointError):
         return exc
@@ -70,20 +74,23 @@ def as_checkpoint_error(exc: BaseException, url: str) -> CheckpointError:
         return CheckpointError("the server redirects in a loop (or too many times)", file=url)
     detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
     if is_passing(exc):
-        return TruncatedFileError(f"the request kept failing after {MAX_ATTEMPTS} tries: {detail}", file=url)
+        return TruncatedFileError(f"the request kept failing after {attempts} tries: {detail}", file=url)
     return CheckpointError(f"cannot be read: {type(exc).__name__}: {detail}", file=url)
 
 
 def with_retries(call: Callable[[], T], url: str, *, attempts: int = MAX_ATTEMPTS,
-                 sleep: Callable[[float], None] = time.sleep) -> T:
-    """`call()`, tried again after a passing failure (up to `attempts` tries); any other failure, or the last
-    passing one, is raised as a CheckpointError naming `url`."""
-    for attempt in range(attempts):
+                 sleep: Callable[[float], None] = time.sleep, failed: BaseException | None = None) -> T:
+    """`call()`, tried again after a passing failure (up to `attempts` tries in all, counting a `failed` first try
+    made elsewhere); any other failure, or the last passing one, is raised as a CheckpointError naming `url`."""
+    if failed is not None and not is_passing(failed):
+        raise as_checkpoint_error(failed, url, attempts) from failed
+    for attempt in range(1 if failed is not None else 0, attempts):
+        if attempt:
+            backoff = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (attempt - 1))
+            sleep(backoff * (0.5 + random.random() / 2))  # jitter: clients that failed together do not retry together
         try:
             return call()
         except Exception as exc:
             if attempt + 1 == attempts or not is_passing(exc):
-                raise as_checkpoint_error(exc, url) from exc
-            backoff = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2**attempt)
-            sleep(backoff * (0.5 + random.random() / 2))  # jitter: clients that failed together do not retry together
-    raise AssertionError("unreachable: the loop returns or raises")
+                raise as_checkpoint_error(exc, url, attempts) from exc
+    raise as_checkpoint_error(failed or TimeoutError("no try was made"), url, attempts)

@@ -1,7 +1,9 @@
 """A region of a strided array stored in a file, read as ranged requests: one run of bytes per row, no more.
 
 Memory-mapped stores let numpy index the file; a remote store cannot, so the region's rows are fetched (coalesced
-by the store) and laid out by numpy from the fetched bytes.
+by the store) and laid out by numpy from the fetched bytes. A row runs along the axis whose selected elements lie
+closest together in the file (the last axis of a C-ordered array, the first of a transposed one); when even those
+lie far apart (a large step), each element is its own run.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import numpy as np
 if TYPE_CHECKING:
     from . import ByteStore
 
-MAX_ROWS = 1 << 24  # more rows than this are fetched as the one span covering them, to bound the run list
+MAX_RUNS = 1 << 24  # more runs than this are fetched as the one span covering them, to bound the run list
+SPARSE = 2  # a row whose selected elements are more than this many element sizes apart is read element by element
 
 
 def read_strided(files: ByteStore, name: str, offset: int, shape: tuple[int, ...],
                  byte_strides: tuple[int, ...] | None, dtype: np.dtype, index: tuple[slice, ...]) -> np.ndarray:
     """`array[index]` of the array of `shape` and `dtype` stored at `offset` of file `name` (C order when
-    `byte_strides` is None), fetching each selected row's run of bytes (positive-step slices only)."""
+    `byte_strides` is None), fetching only the selected elements' bytes (positive-step slices only)."""
     itemsize = dtype.itemsize
     if byte_strides is None:
         byte_strides = tuple(itemsize * math.prod(shape[d + 1:]) for d in range(len(shape)))
@@ -29,21 +32,28 @@ def read_strided(files: ByteStore, name: str, offset: int, shape: tuple[int, ...
     if math.prod(out_shape) == 0:
         return np.empty(out_shape, dtype)
     if not ranges:
-        raw = files.read_ranges(name, [(offset, offset + itemsize)])[0]
-        return np.frombuffer(raw, dtype).reshape(())
+        return np.frombuffer(files.read_ranges(name, [(offset, offset + itemsize)])[0], dtype).reshape(())
+    steps = [r.step * st for r, st in zip(ranges, byte_strides)]  # bytes between selected neighbours, per axis
     first = offset + sum(r[0] * st for r, st in zip(ranges, byte_strides))
-    last_range, last_stride = ranges[-1], byte_strides[-1]
-    run = (len(last_range) - 1) * last_range.step * last_stride + itemsize  # one row, first to last element
-    rows = math.prod(out_shape[:-1])
-    if rows > MAX_ROWS:
+    # the run axis last: the axis (of more than one element) whose selected elements lie closest together
+    along = min((d for d in range(len(ranges)) if len(ranges[d]) > 1), key=lambda d: steps[d],
+                default=len(ranges) - 1)
+    order = [d for d in range(len(ranges)) if d != along] + [along]
+    lengths, gaps = [out_shape[d] for d in order], [steps[d] for d in order]
+    per_element = gaps[-1] > SPARSE * itemsize
+    row_axes = len(order) if per_element else len(order) - 1
+    run = itemsize if per_element else (lengths[-1] - 1) * gaps[-1] + itemsize
+    count = math.prod(lengths[:row_axes])
+    if count > MAX_RUNS:
         span_end = offset + sum(r[-1] * st for r, st in zip(ranges, byte_strides)) + itemsize
         raw = files.read_ranges(name, [(first, span_end)])[0]
-        relative = tuple(r.step * st for r, st in zip(ranges, byte_strides))
-        return np.ndarray(out_shape, dtype, buffer=raw, strides=relative).copy()
+        return np.ndarray(out_shape, dtype, buffer=raw, strides=tuple(steps)).copy()
     starts = np.full(1, first, dtype=np.int64)
-    for r, stride in zip(ranges[:-1], byte_strides[:-1]):  # every row's first byte, in C order
-        starts = np.add.outer(starts, np.arange(len(r), dtype=np.int64) * (r.step * stride)).ravel()
-    pieces = files.read_ranges(name, [(s, s + run) for s in starts.tolist()])
-    joined = b"".join(pieces)
-    rows_view = np.ndarray((rows, len(last_range)), dtype, buffer=joined, strides=(run, last_range.step * last_stride))
-    return rows_view.reshape(out_shape)
+    for length, gap in zip(lengths[:row_axes], gaps[:row_axes]):  # every run's first byte, in the new axis order
+        starts = np.add.outer(starts, np.arange(length, dtype=np.int64) * gap).ravel()
+    joined = b"".join(files.read_ranges(name, [(s, s + run) for s in starts.tolist()]))
+    if per_element:
+        values = np.frombuffer(joined, dtype).reshape(lengths)
+    else:
+        values = np.ndarray((count, lengths[-1]), dtype, buffer=joined, strides=(run, gaps[-1])).reshape(lengths)
+    return values.transpose(np.argsort(order))

@@ -20,6 +20,7 @@ import shutil
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -162,6 +163,7 @@ class FsspecDestination:
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         self.overwrite = overwrite
         self._replaced: list[str] = []  # the files of the checkpoint this save replaces, deleted after the commit
+        self._committed = False
 
     def describe(self) -> str:
         return self.url
@@ -179,6 +181,7 @@ class FsspecDestination:
 
     def join(self, token: str) -> None:
         self.file_prefix = f"{token}/"
+        self.fs.makedirs(f"{self.root}/{token}", exist_ok=True)  # object stores have no folders: a no-op there
 
     def _files_of_committed(self) -> list[str]:
         """The files the committed manifest names: data, parity and copies (a damaged manifest names none)."""
@@ -202,23 +205,45 @@ class FsspecDestination:
         return self.fs.cat_file(f"{self.root}/{name}", start=begin, end=end)
 
     def commit(self, manifest: bytes) -> None:
-        self.fs.pipe_file(f"{self.root}/{MANIFEST}", manifest)
-        self.fs.rm_file(f"{self.root}/{SAVE_MARKER}")
-        kept = json.loads(manifest)
-        named = set(kept.get("files", {})) | set((kept.get("redundancy") or {}).get("files", {}))
-        doomed = [f"{self.root}/{name}" for name in self._replaced if name not in named]
-        with contextlib.suppress(FileNotFoundError, OSError):  # committed already: a leftover is no failure
+        try:
+            self.fs.pipe_file(f"{self.root}/{MANIFEST}", manifest)
+        except Exception:
+            if not self._landed(manifest):  # the PUT may have landed though its answer was lost: then it stands
+                raise
+        self._committed = True  # from here on nothing may undo the save: what follows is tidying up
+        named = set(all_files(parse(manifest, self.url)))
+        doomed = [f"{self.root}/{name}" for name in self._replaced
+                  if name not in named and name not in (MANIFEST, SAVE_MARKER) and _plain_name(name)]
+        try:
+            self.fs.rm_file(f"{self.root}/{SAVE_MARKER}")
             if doomed:
                 self.fs.rm(doomed)
+        except Exception as exc:  # committed already: a leftover marker or old file is no failure of the save
+            warnings.warn(f"the save to {self.url} committed, but tidying up after it failed: {exc}", stacklevel=2)
+
+    def _landed(self, manifest: bytes) -> bool:
+        try:
+            return bool(self.fs.cat_file(f"{self.root}/{MANIFEST}") == manifest)
+        except Exception:
+            return False
 
     def abort(self) -> None:
-        """A failed save's own generation folder goes; the marker stays, saying a save never committed here."""
+        """A failed save's own generation folder goes (never after its commit); the marker stays, saying a save
+        never committed here."""
+        if self._committed or not self.file_prefix:
+            return
         with contextlib.suppress(FileNotFoundError, OSError):
-            if self.file_prefix and self.fs.exists(f"{self.root}/{self.file_prefix}"):
+            if self.fs.exists(f"{self.root}/{self.file_prefix}"):
                 self.fs.rm(f"{self.root}/{self.file_prefix}", recursive=True)
 
     def remove(self) -> None:
         self.abort()
+
+
+def _plain_name(name: str) -> bool:
+    """A name a manifest may give its files: relative, below the prefix (an old manifest is not trusted further)."""
+    parts = name.split("/")
+    return bool(name) and not name.startswith("/") and "://" not in name and ".." not in parts and "" not in parts
 
 
 Destination = LocalDestination | FsspecDestination

@@ -75,6 +75,8 @@ class CheckpointManager:
     def list(self) -> list[CheckpointInfo]:
         """Committed training checkpoints under the root, oldest first (by commit order)."""
         found = []
+        if isinstance(self.root, RemotePath):  # other processes save and delete under it: ask afresh each time
+            self.root.remote.forget(self.root.url)
         for child in entries(self.root):
             if child.name.startswith(TEMP_PREFIX) or not child.is_dir():
                 continue

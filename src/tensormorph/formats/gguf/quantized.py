@@ -70,7 +70,6 @@ class QuantizedBlocks:
         blocks = np.unique(columns // info.block_size)
         first, final = int(blocks[0]), int(blocks[-1])
         contiguous = final - first + 1 == blocks.size
-        picked = slice(first, final + 1) if contiguous else blocks
         positions = np.searchsorted(blocks, columns // info.block_size) * info.block_size + columns % info.block_size
         identity = contiguous and last.step == 1 and columns.size == blocks.size * info.block_size
         byte_shape = info.shape[:-1] + (info.shape[-1] // info.block_size * info.type_size,)
