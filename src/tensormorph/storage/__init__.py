@@ -28,7 +28,8 @@ from .local import (
     read_small,
 )
 from .local import read_head as _read_local_head
-from .remote import PREFETCH_WINDOW, RangedBuffer, Remote, RemoteFiles, RemotePath, is_url, local_path
+from .remote import PREFETCH_WINDOW, RangedBuffer, Remote, RemoteFiles, is_url, local_path
+from .remote_path import RemotePath
 
 __all__ = ["MAX_JSON_VALUES", "NEW_FILE_FLAGS", "AnyPath", "Buffer", "ByteStore", "LocalFiles", "Remote",
            "RemoteFiles", "RemotePath", "as_path", "create_new", "entries", "is_url", "lexists", "local_path",
