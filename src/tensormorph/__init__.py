@@ -17,6 +17,7 @@ from .core import DEFAULT_READ_BUDGET, Checkpoint, Chunk, LogicalTensor, ObjectE
 from .errors import CheckpointError
 from .extras import require
 from .formats import detect, open_checkpoint
+from .storage import remote_options
 from .ops.convert import convert
 from .ops.diff import diff
 from .ops.verify import verify
@@ -24,7 +25,7 @@ from .version import __version__ as __version__
 
 __all__ = [
     "Checkpoint", "CheckpointError", "Chunk", "DEFAULT_READ_BUDGET", "LogicalTensor", "ObjectEntry", "Placement",
-    "convert", "detect", "diff", "open", "verify",
+    "convert", "detect", "diff", "open", "remote_options", "verify",
 ]  # save, load and plan load on first use (torch for the first two) and stay out of `import *`
 
 
