@@ -31,6 +31,8 @@ BENCHMARKS = [
     ("bench_train_async", "train_async"),
     ("bench_plan", "plan"),
     ("bench_tiling", "tiling"),
+    ("bench_remote", "remote"),
+    ("bench_remote_store", "remote_store"),
 ]
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 README = REPO / "README.md"

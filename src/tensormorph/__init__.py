@@ -17,10 +17,10 @@ from .core import DEFAULT_READ_BUDGET, Checkpoint, Chunk, LogicalTensor, ObjectE
 from .errors import CheckpointError
 from .extras import require
 from .formats import detect, open_checkpoint
-from .storage import remote_options
 from .ops.convert import convert
 from .ops.diff import diff
 from .ops.verify import verify
+from .storage import remote_options
 from .version import __version__ as __version__
 
 __all__ = [

@@ -24,6 +24,7 @@ from urllib.parse import quote
 
 from ..errors import HeaderError, MissingFileError, TruncatedFileError, UnsafePathError, UnsupportedError
 from ..extras import require_for_url
+from .first_read import first_read
 from .local import parse_json
 from .retry import MAX_ATTEMPTS, is_passing, status_of, with_retries
 
@@ -102,6 +103,8 @@ class Remote:
     infos: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     # the first FIRST_READ bytes of files, by URL: detection, headers and indexes read them once
     heads: OrderedDict[str, bytes] = field(default_factory=OrderedDict)
+    listed: set[str] = field(default_factory=set)  # folder URLs listed whole: what is not in `infos` is absent
+    folders: set[str] = field(default_factory=set)  # folder URLs seen in listings
     head_bytes: int = 0  # the bytes `heads` holds
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -125,6 +128,15 @@ class Remote:
         passing failures themselves, so one more try of ours covers what they give up on, without multiplying."""
         return MAX_ATTEMPTS if self.is_http else 2
 
+    def keep_head(self, url: str, data: bytes) -> None:
+        """Keep a file's first bytes (HEADS_KEPT_BYTES in all, least recently used dropped first)."""
+        with self.lock:
+            if url not in self.heads:
+                self.heads[url] = data
+                self.head_bytes += len(data)
+            while self.head_bytes > HEADS_KEPT_BYTES and len(self.heads) > 1:
+                self.head_bytes -= len(self.heads.popitem(last=False)[1])
+
     def forget(self, prefix: str) -> None:
         """Drop what is known of the objects under URL `prefix` (sizes, versions, first bytes, the client's listing
         cache): for what changes while we watch, such as a training run's checkpoints."""
@@ -133,6 +145,8 @@ class Remote:
                 del self.infos[url]
             for url in [u for u in self.heads if u.startswith(prefix)]:
                 self.head_bytes -= len(self.heads.pop(url))
+            self.listed -= {u for u in self.listed if u.startswith(prefix)}
+            self.folders -= {u for u in self.folders if u.startswith(prefix)}
         invalidate = getattr(self.fs, "invalidate_cache", None)
         if invalidate is not None:
             invalidate(self.path(prefix))
@@ -141,13 +155,24 @@ class Remote:
         """What the fs calls the object at `url` (object stores drop the scheme; HTTP keeps the URL)."""
         return str(self.fs._strip_protocol(url))  # fsspec's own spelling (memory:// keeps a leading "/")
 
-    def info(self, url: str, *, fresh: bool = False) -> dict[str, Any] | None:
-        """The object's size and version (None when there is no object there), asked once per URL unless `fresh`
-        (what changes while we watch: a training run's manifests)."""
-        if url in self.infos and not fresh:
+    def info(self, url: str, *, first: bool = True) -> dict[str, Any] | None:
+        """The object's size and version (None when there is no object there), asked once per URL. With `first`
+        (and a client that can), its first bytes come in the same request and are kept."""
+        if url in self.infos:
             return self.infos[url]
+        if url.rpartition("/")[0] in self.listed:
+            return None  # its folder was listed whole, and it was not there
 
         def ask() -> dict[str, Any] | None:
+            # with a range cache, the bytes come through it (keyed by the version a HEAD gives first)
+            wanted = first and self.cache is None
+            found_first = first_read(self.fs, self.protocol, self.path(url), FIRST_READ) if wanted else False
+            if found_first is None:
+                return None
+            if found_first is not False:  # the size and version came with the first bytes: no HEAD needed
+                body, info = found_first
+                self.keep_head(url, body)
+                return info
             try:
                 found = self.fs.info(self.path(url))
             except FileNotFoundError as exc:
@@ -229,7 +254,15 @@ class RemoteFiles:
         url = self._url(name) if name else self.url
         if self.remote.is_http:
             return self.remote.info(url) is None
-        return bool(with_retries(lambda: self.fs.isdir(self.remote.path(url)), url, attempts=self.remote.attempts))
+        if url in self.remote.listed or url in self.remote.folders:
+            return True
+        if self.remote.infos.get(url) is not None or url.rpartition("/")[0] in self.remote.listed:
+            return False  # a file, or no folder of its listed parent
+        try:  # listed at once: the one request answers this and every later question about its files
+            self.listdir(name)
+        except MissingFileError:
+            return False
+        return True
 
     def listdir(self, name: str = "") -> builtins.list[str]:
         """The names directly under folder `name` ("" for the root), sorted; their sizes are kept for later."""
@@ -237,8 +270,15 @@ class RemoteFiles:
         if self.remote.is_http:
             raise UnsupportedError("HTTP has no listing: open the checkpoint by the URL of its index or metadata "
                                    "file (see docs/remote.md)", file=url)
-        entries = with_retries(lambda: self.fs.ls(self.remote.path(url), detail=True), url,
-                               attempts=self.remote.attempts)
+        path = self.remote.path(url)
+        try:
+            entries = with_retries(lambda: self.fs.ls(path, detail=True), url, attempts=self.remote.attempts)
+        except MissingFileError:
+            raise MissingFileError("is no folder (no objects under this prefix)", file=url) from None
+        if [str(e["name"]).rstrip("/") for e in entries] == [path] and entries[0].get("type") == "file":
+            with self.remote.lock:
+                self.remote.infos[url] = entries[0]
+            raise MissingFileError("is a file, not a folder", file=url)
         names = []
         for entry in entries:
             base = posixpath.basename(str(entry["name"]).rstrip("/"))
@@ -246,10 +286,14 @@ class RemoteFiles:
                 child = self._url(f"{name}/{base}" if name else base)
             except UnsafePathError:
                 continue  # an object no checkpoint could name (a backslash, say) is no file of ours
-            if entry.get("type") == "file" and entry.get("size") is not None:
-                with self.remote.lock:
+            with self.remote.lock:
+                if entry.get("type") == "file" and entry.get("size") is not None:
                     self.remote.infos[child] = entry  # a listing is as fresh as a HEAD
+                elif entry.get("type") == "directory":
+                    self.remote.folders.add(child)
             names.append(base)
+        with self.remote.lock:
+            self.remote.listed.add(url)
         return sorted(set(names))
 
     def list(self) -> builtins.list[str]:
@@ -283,12 +327,7 @@ class RemoteFiles:
                 heads.move_to_end(url)
                 return data
         data = self.read_ranges(name, [(0, min(size, FIRST_READ))])[0] if size else b""
-        with self.remote.lock:
-            if url not in heads:
-                heads[url] = data
-                self.remote.head_bytes += len(data)
-            while self.remote.head_bytes > HEADS_KEPT_BYTES and len(heads) > 1:
-                self.remote.head_bytes -= len(heads.popitem(last=False)[1])
+        self.remote.keep_head(url, data)
         return data
 
     def read(self, name: str, offset: int, length: int) -> bytes:
@@ -306,7 +345,7 @@ class RemoteFiles:
         PREFETCH_WINDOW names at a time for first bytes (see `prefetched`), so that they stay kept until read."""
 
         def one(name: str) -> None:
-            info = self.remote.info(self._url(name))
+            info = self.remote.info(self._url(name), first=bool(head))
             if info is not None and head:
                 self._first(name, int(info["size"]))
 
