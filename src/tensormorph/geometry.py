@@ -130,3 +130,30 @@ def flat_boxes(shape: tuple[int, ...], begin: int, end: int) -> list[tuple[tuple
     if tail:
         boxes.extend(within(last, 0, tail))
     return boxes
+
+
+def coalesce(runs: Sequence[tuple[int, int]], gap: int, slack: float) -> list[tuple[int, int]]:
+    """Sorted, merged request ranges covering `runs`: overlapping or touching runs always merge; runs apart by at
+    most `gap` merge smallest gap first while the gap bytes fetched stay within `slack` of the bytes needed."""
+    ordered = sorted((b, e) for b, e in runs if e > b)
+    merged: list[list[int]] = []
+    for begin, end in ordered:
+        if merged and begin <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([begin, end])
+    needed = sum(e - b for b, e in merged)
+    gaps = sorted((merged[k + 1][0] - merged[k][1], k) for k in range(len(merged) - 1))
+    joined, allowance = set(), slack * needed
+    for size, k in gaps:
+        if size > gap or size > allowance:
+            break
+        allowance -= size
+        joined.add(k)
+    out: list[tuple[int, int]] = []
+    for k, (begin, end) in enumerate(merged):
+        if k - 1 in joined:
+            out[-1] = (out[-1][0], end)
+        else:
+            out.append((begin, end))
+    return out

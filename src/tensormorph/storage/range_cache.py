@@ -47,6 +47,7 @@ import crc32c
 import numpy as np
 
 from ..errors import CheckpointError, MissingFileError, TruncatedFileError, UnsafePathError
+from ..geometry import coalesce
 from .local import create_new, open_regular, read_capped
 
 DEFAULT_MAX_BYTES = 10 * 1024**3  # room for the headers of many checkpoints and the regions a viewer looks at
@@ -54,6 +55,7 @@ CRC_BLOCK = 64 * 1024  # pieces never cross a multiple of this: checking a cache
 MAX_PIECES = 1 << 18  # pieces in one entry (20 bytes each in its index: 5 MiB); ranges beyond it are not cached
 FETCH_GAP = 4096  # missing ranges closer than this may be fetched as one: a request costs more than such a gap...
 GAP_SHARE = 16  # ...but the gaps fetched never add more than 1/GAP_SHARE of the missing bytes (transferred ≤ 1.0625×)
+SCAN_SHARE = 64  # a process rescans the folder after storing this share of max_bytes, whatever it last saw there
 LOCK_ATTEMPTS = 100  # a lock file replaced this many times while we wait for it: someone is tampering with the folder
 
 _LAYOUT = "ranges-v1"
@@ -106,8 +108,9 @@ class RangeCache:
         self.folder = Path(folder)
         self.dir = self.folder / _LAYOUT
         self.max_bytes = max_bytes
-        # bytes stored since the folder was last scanned, over what it held then: eviction scans the folder only
-        # when the two together could pass max_bytes, not after every miss
+        # bytes stored since the folder was last scanned, over what it held then: eviction scans the folder when the
+        # two together could pass max_bytes, or when this process stored 1/SCAN_SHARE of it since (other processes
+        # sharing the folder add to it unseen), not after every miss
         self._held_at_scan: int | None = None
         self._stored_since_scan = 0
         self.stats = CacheStats()
@@ -144,7 +147,9 @@ class RangeCache:
         starts: list[int] = []
         views: list[memoryview] = []
         if missing:
-            wanted = _coalesce(missing)
+            # missing ranges joined across the smallest gaps of at most FETCH_GAP bytes, while the gaps fetched
+            # stay within 1/GAP_SHARE of the missing bytes
+            wanted = coalesce(missing, FETCH_GAP, 1 / GAP_SHARE)
             fetched = fetch(wanted)
             _check_fetched(key, wanted, fetched)
             with self._stats_lock:
@@ -154,7 +159,8 @@ class RangeCache:
             if key.size <= self.max_bytes:
                 self._store(name, key, list(zip(starts, views)), corrupt)
                 self._stored_since_scan += sum(len(v) for v in views)
-                if self._held_at_scan is None or self._held_at_scan + self._stored_since_scan > self.max_bytes:
+                if (self._held_at_scan is None or self._held_at_scan + self._stored_since_scan > self.max_bytes
+                        or self._stored_since_scan * SCAN_SHARE >= self.max_bytes):
                     self._evict()
 
         def resolved(part: memoryview | Run) -> memoryview:
@@ -428,27 +434,6 @@ def _union(runs: list[Run]) -> list[Run]:
         else:
             merged.append((begin, end))
     return merged
-
-
-def _coalesce(missing: list[Run]) -> list[Run]:
-    """The ranges to fetch: the missing runs, joined across the smallest gaps of at most FETCH_GAP bytes while the
-    gaps fetched stay within 1/GAP_SHARE of the missing bytes."""
-    merged = _union(missing)
-    budget = sum(end - begin for begin, end in merged) // GAP_SHARE
-    gaps = sorted((merged[i + 1][0] - merged[i][1], i) for i in range(len(merged) - 1))
-    joined = set()
-    for gap, i in gaps:
-        if gap > min(budget, FETCH_GAP):
-            break
-        budget -= gap
-        joined.add(i)
-    wanted: list[Run] = []
-    for i, (begin, end) in enumerate(merged):
-        if i - 1 in joined:
-            wanted[-1] = (wanted[-1][0], end)
-        else:
-            wanted.append((begin, end))
-    return wanted
 
 
 def _check_fetched(key: ObjectKey, wanted: list[Run], fetched: list[bytes]) -> None:

@@ -24,6 +24,7 @@ from urllib.parse import quote
 
 from ..errors import HeaderError, MissingFileError, TruncatedFileError, UnsafePathError, UnsupportedError
 from ..extras import require_for_url
+from ..geometry import coalesce
 from .first_read import first_read
 from .local import parse_json
 from .retry import MAX_ATTEMPTS, is_passing, status_of, with_retries
@@ -50,33 +51,6 @@ def is_url(path: str | os.PathLike[str]) -> bool:
 def local_path(path: str | os.PathLike[str]) -> Path:
     """A local path, given plainly or as a file:// URL."""
     return Path(os.fspath(path).removeprefix("file://"))
-
-
-def coalesce(runs: Sequence[Run], gap: int = COALESCE_GAP, slack: float = COALESCE_SLACK) -> list[Run]:
-    """Sorted, merged request ranges covering `runs`: overlapping or touching runs always merge; runs apart by at
-    most `gap` merge smallest gap first while the gap bytes fetched stay within `slack` of the bytes needed."""
-    ordered = sorted((b, e) for b, e in runs if e > b)
-    merged: list[list[int]] = []
-    for begin, end in ordered:
-        if merged and begin <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([begin, end])
-    needed = sum(e - b for b, e in merged)
-    gaps = sorted((merged[k + 1][0] - merged[k][1], k) for k in range(len(merged) - 1))
-    joined, allowance = set(), slack * needed
-    for size, k in gaps:
-        if size > gap or size > allowance:
-            break
-        allowance -= size
-        joined.add(k)
-    out: list[Run] = []
-    for k, (begin, end) in enumerate(merged):
-        if k - 1 in joined:
-            out[-1] = (out[-1][0], end)
-        else:
-            out.append((begin, end))
-    return out
 
 
 def _with_timeouts(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -403,7 +377,7 @@ class RemoteFiles:
     def _fetch(self, url: str, runs: Sequence[Run], *, merge: bool = True) -> builtins.list[bytes]:
         """Each run's bytes, from the server: one request per coalesced range (`merge=False`: per run, overlapping
         ones joined), MAX_CONCURRENT_REQUESTS at once; a range that fails is retried alone."""
-        requests = coalesce(runs) if merge else coalesce(runs, gap=0)
+        requests = coalesce(runs, COALESCE_GAP if merge else 0, COALESCE_SLACK)
         if not requests:
             return [b"" for _ in runs]
         path = self.remote.path(url)
