@@ -435,3 +435,26 @@ def test_diff_of_a_local_and_a_remote_checkpoint(cases, s3, s3_proxy, tmp_path, 
     assert s3_proxy.requests
     changed = tm.diff(cases["dcp"].local, url)
     assert not changed.identical
+
+
+def test_a_remote_diff_reads_ahead_and_reports_what_a_local_one_does(tmp_path):
+    """With a remote side the diff reads the next block of both sides while comparing one; the report is the same
+    as the local diff's, for an equal tensor, for one that differs in its last block, and when it stops early."""
+    import uuid
+
+    import fsspec
+
+    values = np.arange(64 * 256, dtype=np.float32).reshape(64, 256)
+    changed = values.copy()
+    changed[-1, -1] += 1.0
+    for name, data in (("a", {"same": values, "changed": values}), ("b", {"same": values, "changed": changed})):
+        (tmp_path / name).mkdir()
+        safetensors.numpy.save_file(data, str(tmp_path / name / "model.safetensors"))
+    url = f"memory://diff-{uuid.uuid4().hex}"
+    stored = (tmp_path / "b" / "model.safetensors").read_bytes()
+    fsspec.filesystem("memory").pipe_file(f"{url}/model.safetensors", stored)
+    local = tm.diff(tmp_path / "a", tmp_path / "b", block_bytes=8 * 1024)
+    remote = tm.diff(tmp_path / "a", tm.open(url, cache=False), block_bytes=8 * 1024)
+    assert [(t.name, t.status, t.max_abs, t.mismatches, t.worst_index) for t in remote.tensors] == \
+        [(t.name, t.status, t.max_abs, t.mismatches, t.worst_index) for t in local.tensors]
+    assert {t.name: t.status for t in remote.tensors} == {"changed": "different", "same": "equal"}

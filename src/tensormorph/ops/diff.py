@@ -13,7 +13,7 @@ import itertools
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -178,12 +178,13 @@ def _diff(ck_a: Checkpoint, ck_b: Checkpoint, rules: list[NameRule], *, atol: fl
     map_a, map_b = aligned_names(list(ck_a), rules, "a"), aligned_names(list(ck_b), rules, "b")
     wanted = list(dict.fromkeys([*map_a, *map_b])) if names is None else list(names)
     report = DiffReport(str(ck_a.path), str(ck_b.path), atol, rtol, [r.text for r in rules])
+    remote = any(ck.storage is not None and not ck.storage.mappable for ck in (ck_a, ck_b))
 
     def compare(name: str) -> TensorDiff:
         ta = ck_a[map_a[name]] if name in map_a else None
         tb = ck_b[map_b[name]] if name in map_b else None
         return compare_tensors(name, ta, tb, atol=atol, rtol=rtol, cast=cast, block_bytes=block_bytes,
-                               progress=progress)
+                               progress=progress, read_ahead=remote)
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         report.tensors = list(pool.map(compare, wanted))
@@ -198,8 +199,9 @@ def _severity(t: TensorDiff) -> tuple:
 
 def compare_tensors(name: str, a: LogicalTensor | None, b: LogicalTensor | None, *, atol: float = 0.0,
                     rtol: float = 0.0, cast: str | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                    progress: Callable[[int], None] | None = None) -> TensorDiff:
-    """Compare two logical tensors block by block (either may be missing)."""
+                    progress: Callable[[int], None] | None = None, read_ahead: bool = False) -> TensorDiff:
+    """Compare two logical tensors block by block (either may be missing); `read_ahead` reads the next block of
+    both sides while one is compared (worth it when a side is remote)."""
     if a is None or b is None:
         if a is not None:
             return TensorDiff(name, "only_a", name_a=a.name, dtype_a=a.dtype, shape_a=a.shape)
@@ -219,8 +221,7 @@ def compare_tensors(name: str, a: LogicalTensor | None, b: LogicalTensor | None,
     reported = 0  # blocks already counted in progress
     if same_dtype:
         differs = False
-        for box in boxes:
-            block_a, block_b = _read(a, box, cast_dtype), b.read(box)
+        for _box, block_a, block_b in _blocks_ahead(a, b, boxes, cast_dtype, read_ahead):
             reported += 1
             if progress is not None:
                 progress(block_b.nbytes)
@@ -232,8 +233,7 @@ def compare_tensors(name: str, a: LogicalTensor | None, b: LogicalTensor | None,
             return TensorDiff(name, "equal", **base, max_abs=0.0, max_rel=0.0, rel_l2=0.0,
                               cosine=1.0 if a.numel else None)
     accumulator = _NumericAccumulator(a.shape, atol, rtol)
-    for i, box in enumerate(boxes):
-        block_a, block_b = _read(a, box, cast_dtype), b.read(box)
+    for i, (box, block_a, block_b) in enumerate(_blocks_ahead(a, b, boxes, cast_dtype, read_ahead)):
         accumulator.add(box, block_a, block_b)
         if progress is not None and i >= reported:
             progress(block_b.nbytes)
@@ -256,6 +256,30 @@ class _Sides(TypedDict):
     dtype_b: str
     shape_a: tuple[int, ...]
     shape_b: tuple[int, ...]
+
+
+def _blocks_ahead(a: LogicalTensor, b: LogicalTensor, boxes: list[tuple[slice, ...]], cast: np.dtype | None,
+                  read_ahead: bool) -> Iterator[tuple[tuple[slice, ...], np.ndarray, np.ndarray]]:
+    """(box, a's block, b's block) in order. With `read_ahead` (a remote side), both sides of the next box are read
+    while this one is compared: the reads wait on round trips, the comparing on the CPU, so the two overlap."""
+    if not read_ahead or len(boxes) < 2:  # nothing to overlap: no threads for the many small tensors
+        for box in boxes:
+            yield box, _read(a, box, cast), b.read(box)
+        return
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        def submit(box: tuple[slice, ...]) -> tuple[Future[np.ndarray], Future[np.ndarray]]:
+            return pool.submit(_read, a, box, cast), pool.submit(b.read, box)
+
+        ahead: tuple[Future[np.ndarray], Future[np.ndarray]] | None = submit(boxes[0])
+        for k, box in enumerate(boxes):
+            assert ahead is not None, "every box but the last submits the next"
+            current, ahead = ahead, (submit(boxes[k + 1]) if k + 1 < len(boxes) else None)
+            try:
+                yield box, current[0].result(), current[1].result()
+            except GeneratorExit:  # the caller stopped early (a difference found): the read ahead is not needed
+                for future in ahead or ():
+                    future.cancel()
+                raise
 
 
 def _read(tensor: LogicalTensor, box: tuple[slice, ...], cast: np.dtype | None) -> np.ndarray:
