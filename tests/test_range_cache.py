@@ -194,6 +194,20 @@ def test_an_entry_removed_or_grown_by_another_process_during_a_fetch(tmp_path):
     assert remote.calls == [[(0, 4096)]]  # cleared by the other
 
 
+def test_an_index_whose_data_file_another_process_removed_restarts_the_entry(tmp_path):
+    """The index lists pieces but the data file is gone (removed between a clear's two unlinks): storing more
+    finds the listed pieces missing from the new data file and starts the entry again, serving the right bytes."""
+    cache = RangeCache(tmp_path)
+    cache.read(KEY, [(0, 4096)], Remote())
+
+    def removing(ranges):
+        _files(cache, KEY, "data").unlink()  # after our lookup read the pieces, before our store
+        return Remote()(ranges)
+
+    _expect([(2048, 8192)], cache.read(KEY, [(2048, 8192)], removing))  # grows the listed piece (0, 4096)
+    _expect([(4096, 8192)], cache.read(KEY, [(4096, 8192)], _refuse))
+
+
 @pytest.mark.parametrize("kind", ["data", "index", "lock"])
 def test_a_link_planted_in_place_of_an_entry_file_is_not_followed(tmp_path, kind):
     cache = RangeCache(tmp_path / "cache")

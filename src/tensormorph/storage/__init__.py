@@ -203,10 +203,6 @@ class ByteStore(Protocol):
         """The names directly under folder `name` ("" for the root), sorted."""
         ...
 
-    def child(self, name: str) -> ByteStore:
-        """The store of the folder `name` under this one (which must stay inside it)."""
-        ...
-
     def head(self, name: str, length: int) -> bytes:
         """Up to `length` bytes from the start of file `name`, for detection: b"" when there is no regular file."""
         ...

@@ -230,9 +230,6 @@ class LocalFiles:
         except OSError:
             return []
 
-    def child(self, name: str) -> LocalFiles:
-        return LocalFiles(self.resolve(name))
-
     def head(self, name: str, length: int) -> bytes:
         return read_head(self.resolve(name), length)
 

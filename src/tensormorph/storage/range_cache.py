@@ -48,7 +48,7 @@ import numpy as np
 
 from ..errors import CheckpointError, MissingFileError, TruncatedFileError, UnsafePathError
 from ..geometry import coalesce
-from .local import create_new, open_regular, read_capped
+from .local import NEW_FILE_FLAGS, create_new, open_regular, read_capped
 
 DEFAULT_MAX_BYTES = 10 * 1024**3  # room for the headers of many checkpoints and the regions a viewer looks at
 CRC_BLOCK = 64 * 1024  # pieces never cross a multiple of this: checking a cached read costs at most this per piece
@@ -298,7 +298,9 @@ class RangeCache:
                     return os.fdopen(fd, "r+b")
                 os.close(fd)
         _unlink(path)
-        return create_new(path)
+        # read and write: a store checks the pieces the index lists against it, even in a file just made (when
+        # another process removed the data under an index, the check finds them missing and the entry restarts)
+        return os.fdopen(os.open(path, (NEW_FILE_FLAGS & ~os.O_WRONLY) | os.O_RDWR, 0o644), "r+b")
 
     def _lock(self, name: str, mode: int) -> int:
         """A descriptor of the entry's lock file, flock'ed in `mode` (BlockingIOError for a busy LOCK_NB)."""

@@ -103,11 +103,13 @@ class Remote:
         return MAX_ATTEMPTS if self.is_http else 2
 
     def keep_head(self, url: str, data: bytes) -> None:
-        """Keep a file's first bytes (HEADS_KEPT_BYTES in all, least recently used dropped first)."""
+        """Keep a file's first bytes, or all of a small one (HEADS_KEPT_BYTES in all, least recently used dropped
+        first)."""
         with self.lock:
-            if url not in self.heads:
+            kept = self.heads.get(url)
+            if kept is None or len(kept) < len(data):  # a longer first read replaces a shorter one
                 self.heads[url] = data
-                self.head_bytes += len(data)
+                self.head_bytes += len(data) - (len(kept) if kept is not None else 0)
             while self.head_bytes > HEADS_KEPT_BYTES and len(self.heads) > 1:
                 self.head_bytes -= len(self.heads.popitem(last=False)[1])
 
@@ -278,10 +280,6 @@ class RemoteFiles:
                              attempts=self.remote.attempts)
         return sorted(path[len(prefix):] for path in found if path.startswith(prefix))
 
-    def child(self, name: str) -> RemoteFiles:
-        """The store of folder `name` under this one, sharing its client and what it knows."""
-        return RemoteFiles(self._url(name), remote=self.remote)
-
     def head(self, name: str, length: int) -> bytes:
         """Up to `length` bytes from the start of file `name`, for detection: b"" when there is none."""
         info = self.remote.info(self._url(name))
@@ -290,7 +288,10 @@ class RemoteFiles:
         size = int(info["size"])
         if length <= FIRST_READ:
             return self._first(name, size)[:length]
-        return self.read(name, 0, min(length, size)) if size else b""
+        data = self.read(name, 0, min(length, size)) if size else b""
+        if len(data) == size:  # the whole file (an index looked into while detecting): kept for the open to parse
+            self.remote.keep_head(self._url(name), data)
+        return data
 
     def _first(self, name: str, size: int) -> bytes:
         """The file's first min(size, FIRST_READ) bytes, fetched once and kept in the shared Remote."""
