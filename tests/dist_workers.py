@@ -157,24 +157,28 @@ def _plain(value):
     return value
 
 
-def unsupported_worker(rank: int, port: int, out: str, world: int, path: str) -> None:
-    """Partial and _StridedShard placements must be refused with a clear error, on every rank alike."""
+def placements_alone_worker(rank: int, port: int, out: str, world: int, path: str) -> None:
+    """Partial(sum) and a _StridedShard alone (each rank's local is two boxes) saved on a 1-D mesh; each rank
+    records torch's own full_tensor() and what a load on the same mesh restores."""
     import torch
-    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor import DTensor, Partial, Replicate
     from torch.distributed.tensor.placement_types import _StridedShard
 
     import tensormorph as tm
 
     init(rank, world, port)
     mesh = _mesh((world,))
-    record = {}
+    local = torch.arange(8, dtype=torch.float32).reshape(4, 2) * (rank + 1) + 0.1
+    record: dict = {}
     for label, placement in (("partial", Partial()), ("strided", _StridedShard(0, split_factor=2))):
-        tensor = DTensor.from_local(torch.ones(4, 2), mesh, [placement], run_check=False)
-        try:
-            tm.save({"t": tensor}, f"{path}-{label}")
-            record[label] = "saved"
-        except tm.CheckpointError as exc:
-            record[label] = str(exc)
+        tensor = DTensor.from_local(local.clone(), mesh, [placement], run_check=False)
+        tm.save({"t": tensor}, f"{path}-{label}")
+        target = DTensor.from_local(torch.zeros_like(local), mesh, [placement], run_check=False)
+        tm.load(f"{path}-{label}", {"t": target})
+        replicated = DTensor.from_local(torch.zeros(tuple(tensor.shape)), mesh, [Replicate()], run_check=False)
+        tm.load(f"{path}-{label}", {"t": replicated})
+        record[label] = {"full": tensor.full_tensor().tolist(), "restored": target.to_local().tolist(),
+                         "local": local.tolist(), "into_replicate": replicated.to_local().tolist()}
     _write(out, rank, record)
 
 

@@ -142,7 +142,7 @@ def test_inspect_json_safetensors(ckpts: dict[str, Path]) -> None:
         begin, end = header[name]["data_offsets"]
         assert record["chunks"] == [{"offsets": [0] * array.ndim, "shape": list(array.shape),
                                      "file": "model.safetensors", "byte_range": [data_start + begin, data_start + end],
-                                     "ranks": []}]
+                                     "ranks": [], "contribution": 0}]
     assert records["model.layers.0.attn.w"]["dtype"] == "BF16"
     assert data["totals_by_dtype"]["BF16"] == {"tensors": 2, "params": 30, "nbytes": 60}
     assert data["totals_by_dtype"]["F32"] == {"tensors": 2, "params": 74, "nbytes": 296}
@@ -358,7 +358,7 @@ def test_bad_slice_text(ckpts: dict[str, Path], text: str, fragment: str) -> Non
     assert result.exit_code == 2
     assert fragment in result.stderr
     with tm.open(ckpts["st"]) as ck:
-        message = library_error(lambda: ck["model.embed.weight"].read(tm.core.parse_index(text)))
+        message = library_error(lambda: ck["model.embed.weight"].read(tm.indexing.parse_index(text)))
     assert_clean_failure(result, message)
 
 

@@ -237,11 +237,26 @@ def test_load_names_file_and_tensor_on_a_damaged_block(saved, tmp_path):
         assert reader.bytes_read == 65536  # 12 bytes wanted, the rest of their one block read to check it
 
 
-def test_refuses_partial_and_strided_shard_with_a_clear_error(tmp_path):
-    records = _spawn(w.unsupported_worker, 2, tmp_path / "r", str(tmp_path / "ck"))
-    for record in records:
-        assert "Partial" in record["partial"] and "reduce" in record["partial"]
-        assert "_StridedShard" in record["strided"] and "redistribute" in record["strided"]
+def test_partial_and_strided_shard_alone_save_read_and_load_exactly(tmp_path):
+    records = _spawn(w.placements_alone_worker, 2, tmp_path / "r", str(tmp_path / "ck"))
+    for label in ("partial", "strided"):
+        ck = tm.open(tmp_path / f"ck-{label}")
+        full = np.asarray(records[0][label]["full"], np.float32)
+        # two contributions: a + b has the same bits in either order, so torch's full_tensor() is matched exactly
+        assert ck["t"].full().tobytes() == full.tobytes(), label
+        for rank, record in enumerate(records):
+            mine = record[label]
+            assert mine["restored"] == mine["local"], (label, rank)  # a same-mesh load restores each local
+            assert np.asarray(mine["into_replicate"], np.float32).tobytes() == full.tobytes()
+    partial = tm.open(tmp_path / "ck-partial")["t"]
+    assert partial.placement.placements == ("Partial(sum)",) and partial.reduction.contributions == 2
+    assert [partial.local(r).tolist() for r in range(2)] == [np.float32(records[r]["partial"]["local"]).tolist()
+                                                             for r in range(2)]
+    strided = tm.open(tmp_path / "ck-strided")["t"]
+    assert strided.placement.placements == ("_StridedShard(0, split_factor=2)",)
+    # rank r holds rows [2r, 2r+2) and [4+2r, 6+2r): two boxes each
+    assert sorted((c.offsets, c.ranks) for c in strided.chunks) == [((0, 0), (0,)), ((2, 0), (1,)), ((4, 0), (0,)),
+                                                                    ((6, 0), (1,))]
 
 
 def test_a_rank_dying_before_commit_leaves_the_previous_checkpoint_intact(tmp_path):

@@ -24,8 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tensormorph as tm
-from tensormorph.core import Chunk, LogicalTensor, parse_index
+from tensormorph.core import Chunk, LogicalTensor
 from tensormorph.errors import BudgetExceededError, CheckpointError, ChunkLayoutError
+from tensormorph.indexing import parse_index
 from tensormorph.tiling import validate_tiling
 
 pytestmark = pytest.mark.timeout(120)

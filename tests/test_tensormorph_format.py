@@ -4,6 +4,7 @@ and property tests of the placement arithmetic and the value encoding."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import shutil
@@ -27,7 +28,7 @@ from tensormorph.errors import (
     UnsafePathError,
 )
 from tensormorph.geometry import box_runs
-from tensormorph.tmformat.layout import assign_writers, rank_boxes, shard_range
+from tensormorph.tmformat.layout import assign_writers, local_box, shard_range
 from tensormorph.tmformat.manifest import MANIFEST, decode_value, encode_value, parse
 
 
@@ -230,7 +231,7 @@ shapes = st.lists(st.integers(0, 9), min_size=1, max_size=3).map(tuple)
 def test_rank_boxes_tile_the_tensor_and_follow_torch_chunk(shape, mesh, data):
     placements = [data.draw(st.sampled_from(["Replicate()"] + [f"Shard({d})" for d in range(len(shape))]))
                   for _ in mesh]
-    boxes = rank_boxes(shape, mesh, placements)
+    boxes = [local_box(shape, mesh, placements, c) for c in itertools.product(*(range(n) for n in mesh))]
     assert len(boxes) == math.prod(mesh)
     covered = np.zeros(shape, dtype=np.int64)
     for offsets, size in {b for b in boxes}:

@@ -23,6 +23,10 @@ import numpy as np
 from . import dtypes
 from .errors import BudgetExceededError, CheckpointError, TensorNotFoundError
 from .geometry import byte_runs
+from .indexing import IndexPlan
+from .reduction import Reduction
+from .reduction import combine as fold_contribution
+from .reduction import finish as finish_reduction
 from .storage import AnyPath, ByteStore
 from .storage.strided import read_strided
 from .units import human_bytes
@@ -126,6 +130,7 @@ class Chunk:
     byte_range: tuple[int, int] | None  # [begin, end) of the data in `file`, when stored raw
     source: ChunkSource = field(repr=False, compare=False)
     ranks: tuple[int, ...] = ()  # ranks that wrote (or hold) this chunk, when the format records it
+    contribution: int = 0  # under a Partial placement: which of the tensor's contributions this box is part of
 
     @property
     def numel(self) -> int:
@@ -148,6 +153,7 @@ class LogicalTensor:
     placement: Placement | None = None
     file_shard: tuple[int, int] | None = None  # (k, n): file-level sharding, "shard k of n"
     read_budget: int = DEFAULT_READ_BUDGET
+    reduction: Reduction | None = None  # Partial placements: the value is this reduction of the contributions
 
     @property
     def numpy_dtype(self) -> np.dtype:
@@ -173,12 +179,18 @@ class LogicalTensor:
     def is_placement_sharded(self) -> bool:
         return len(self.chunks) > 1
 
+    @property
+    def tiling(self) -> tuple[Chunk, ...]:
+        """Chunks that cover the tensor once: all of them, or under Partial those of the first contribution
+        (reads through the tensor still reduce every contribution)."""
+        return self.chunks if self.reduction is None else tuple(c for c in self.chunks if c.contribution == 0)
+
     def __getitem__(self, index: Any) -> np.ndarray:
         return self.read(index)
 
     def read(self, index: Any = Ellipsis, *, budget: int | None = None) -> np.ndarray:
         """Read a region (ints, slices with steps, Ellipsis), touching only overlapping chunks."""
-        plan = _IndexPlan.build(index, self.shape, self.name)
+        plan = IndexPlan.build(index, self.shape, self.name)
         limit = self.read_budget if budget is None else budget
         nbytes = math.prod(plan.out_shape) * self.numpy_dtype.itemsize
         if nbytes > limit:
@@ -193,30 +205,41 @@ class LogicalTensor:
         except (ValueError, OverflowError, MemoryError) as exc:
             raise CheckpointError(f"cannot allocate a result of shape {plan.out_shape}: {exc}",
                                   tensor=self.name) from None
-        for chunk in self.chunks:
+        for chunk in self.tiling:
             selection = plan.intersect(chunk.offsets, chunk.shape)
-            if selection is None:
-                continue
-            source_index, target_index = selection
-            advise = getattr(chunk.source, "advise", None)
-            read_into = getattr(chunk.source, "read_into", None)
-            verify = getattr(chunk.source, "verify", None)
-            try:
-                if verify is not None:
-                    verify(source_index)  # formats with block checksums check what this read touches
-                if read_into is not None and read_into(source_index, out[target_index]):
-                    continue
-                if advise is not None:
-                    advise(source_index, "willneed")  # the kernel fetches exactly these bytes, in parallel
-                out[target_index] = chunk.source.array()[source_index] if verify else chunk.read()[source_index]
-                if advise is not None:
-                    advise(source_index, "dontneed")  # copied: the mapped pages need not count in our memory
-            except CheckpointError:
-                raise
-            except (ValueError, OSError, TypeError) as exc:
-                raise CheckpointError(f"cannot read chunk at offsets {chunk.offsets}: {exc}",
-                                      file=chunk.file, tensor=self.name) from exc
+            if selection is not None:
+                self._copy(chunk, selection[0], out, selection[1])
+        if self.reduction is not None:  # fold in the other contributions, one chunk's overlap at a time
+            for chunk in sorted((c for c in self.chunks if c.contribution), key=lambda c: c.contribution):
+                selection = plan.intersect(chunk.offsets, chunk.shape)
+                for source_index, target_index in _row_blocks(selection, out, PARTIAL_BLOCK_BYTES):
+                    target = out[target_index + (Ellipsis,)]  # a view, also of a 0-d result
+                    piece = np.empty(target.shape, self.numpy_dtype)
+                    self._copy(chunk, source_index, piece, (Ellipsis,))
+                    fold_contribution(self.reduction.op, target, piece, self.name)
+            finish_reduction(self.reduction.op, out, self.reduction.contributions)
         return plan.finish(out)
+
+    def _copy(self, chunk: Chunk, source_index: tuple[slice, ...], out: np.ndarray, target_index: tuple) -> None:
+        """Copy `source_index` of a chunk into `target_index` of `out`."""
+        advise = getattr(chunk.source, "advise", None)
+        read_into = getattr(chunk.source, "read_into", None)
+        verify = getattr(chunk.source, "verify", None)
+        try:
+            if verify is not None:
+                verify(source_index)  # formats with block checksums check what this read touches
+            if read_into is not None and read_into(source_index, out[target_index]):
+                return
+            if advise is not None:
+                advise(source_index, "willneed")  # the kernel fetches exactly these bytes, in parallel
+            out[target_index] = chunk.source.array()[source_index] if verify else chunk.read()[source_index]
+            if advise is not None:
+                advise(source_index, "dontneed")  # copied: the mapped pages need not count in our memory
+        except CheckpointError:
+            raise
+        except (ValueError, OSError, TypeError) as exc:
+            raise CheckpointError(f"cannot read chunk at offsets {chunk.offsets}: {exc}",
+                                  file=chunk.file, tensor=self.name) from exc
 
     def full(self, *, force: bool = False) -> np.ndarray:
         """The whole logical tensor; refuses above the read budget unless force=True."""
@@ -236,20 +259,22 @@ class LogicalTensor:
         held = self._held_by(rank)
         if len(held) == 1:
             chunk = held[0]
-            return replace(self, name=f"{self.name}@rank{rank}", shape=chunk.shape,
-                           chunks=(replace(chunk, offsets=(0,) * len(chunk.shape)),), placement=None)
-        starts = [_flat_start(c, self.shape) for c in held]
-        ordered = sorted(((start, c) for start, c in zip(starts, held) if start is not None), key=lambda item: item[0])
-        ends = [start + chunk.numel for start, chunk in ordered]
-        # one run: every chunk has a flat start, and each starts where the one before it ends
-        if len(ordered) != len(held) or any(start != end for (start, _), end in zip(ordered[1:], ends)):
+            return replace(self, name=f"{self.name}@rank{rank}", shape=chunk.shape, placement=None, reduction=None,
+                           chunks=(replace(chunk, offsets=(0,) * len(chunk.shape), contribution=0),))
+        # one run of the box that bounds them (a ZeRO partition of a tensor-parallel shard is a run of the
+        # shard, not of the whole tensor), or else of the whole tensor
+        low = tuple(min(c.offsets[d] for c in held) for d in range(self.ndim))
+        frame = tuple(max(c.offsets[d] + c.shape[d] for c in held) - low[d] for d in range(self.ndim))
+        ordered = _one_run(held, low, frame) or _one_run(held, (0,) * self.ndim, self.shape)
+        if ordered is None:
             raise CheckpointError(
                 f"rank {rank} holds {len(held)} chunks at offsets {[c.offsets for c in held]} that are not one "
                 "run of the flattened tensor; read them with chunk.read()", tensor=self.name)
-        base, end = ordered[0][0], ends[-1]
+        base, end = ordered[0][0], ordered[-1][0] + ordered[-1][1].numel
         flat = tuple(Chunk((start - base,), (chunk.numel,), chunk.file, chunk.byte_range, _FlatSource(chunk.source),
                            chunk.ranks) for start, chunk in ordered)
-        return replace(self, name=f"{self.name}@rank{rank}", shape=(end - base,), chunks=flat, placement=None)
+        return replace(self, name=f"{self.name}@rank{rank}", shape=(end - base,), chunks=flat, placement=None,
+                       reduction=None)
 
     def _held_by(self, rank: int) -> list[Chunk]:
         held = [c for c in self.chunks if rank in c.ranks]
@@ -269,15 +294,52 @@ class LogicalTensor:
         return replace(self, read_budget=budget, chunks=tuple(chunks))
 
 
-def _flat_start(chunk: Chunk, shape: tuple[int, ...]) -> int | None:
-    """Where a box starts in the flattened tensor, when its elements are one contiguous run there."""
-    dims = len(shape)
+PARTIAL_BLOCK_BYTES = 16 << 20
+"""A Partial tensor's contributions are folded into a read's result in row blocks of about this size, so the
+reduction needs this much memory besides the result, however large the region."""
+
+
+def _row_blocks(selection: tuple[tuple[slice, ...], tuple[slice, ...]] | None, out: np.ndarray,
+                limit: int) -> Iterator[tuple[tuple[slice, ...], tuple[slice, ...]]]:
+    """A chunk's (source, target) selection cut along the first axis into blocks of about `limit` bytes."""
+    if selection is None:
+        return
+    source, target = selection
+    if not target:
+        yield source, target
+        return
+    rows = target[0].stop - target[0].start
+    row_bytes = max(1, out[target + (Ellipsis,)].nbytes // max(1, rows))
+    step = max(1, limit // row_bytes)
+    for first in range(0, rows, step):
+        last = min(rows, first + step)
+        stride = source[0].step or 1
+        yield ((slice(source[0].start + first * stride, source[0].start + (last - 1) * stride + 1, stride),)
+               + source[1:], (slice(target[0].start + first, target[0].start + last),) + target[1:])
+
+
+def _one_run(chunks: list[Chunk], origin: tuple[int, ...], frame: tuple[int, ...]) -> list[tuple[int, Chunk]] | None:
+    """The chunks with their flat starts in the box at `origin` of shape `frame`, in order, when each is one
+    contiguous run there and each starts where the one before it ends; else None."""
+    starts = [_flat_start(tuple(o - b for o, b in zip(c.offsets, origin)), c.shape, frame) for c in chunks]
+    if any(start is None for start in starts):
+        return None
+    ordered = sorted(((cast(int, start), c) for start, c in zip(starts, chunks)), key=lambda item: item[0])
+    ends = [start + chunk.numel for start, chunk in ordered]
+    if any(start != end for (start, _), end in zip(ordered[1:], ends)):
+        return None
+    return ordered
+
+
+def _flat_start(offsets: tuple[int, ...], shape: tuple[int, ...], frame: tuple[int, ...]) -> int | None:
+    """Where a box starts in the flattened `frame`, when its elements are one contiguous run there."""
+    dims = len(frame)
     # contiguous when the dimensions before the first one longer than 1 are single indices and all
     # dimensions after it are whole
-    first = next((d for d in range(dims) if chunk.shape[d] != 1), dims - 1)
-    if any(chunk.shape[d] != shape[d] for d in range(first + 1, dims)):
+    first = next((d for d in range(dims) if shape[d] != 1), dims - 1)
+    if any(shape[d] != frame[d] for d in range(first + 1, dims)):
         return None
-    return sum(o * math.prod(shape[d + 1:]) for d, o in enumerate(chunk.offsets))
+    return sum(o * math.prod(frame[d + 1:]) for d, o in enumerate(offsets))
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,103 +455,3 @@ def near_names(name: str, forward: list[str], backward: list[str], count: int = 
 def _around(key: str, ordered: list[str]) -> list[str]:
     at = bisect_left(ordered, key)
     return ordered[max(0, at - SUGGESTION_POOL):at + SUGGESTION_POOL]
-
-
-@dataclass(frozen=True)
-class _DimPlan:
-    start: int
-    step: int  # > 0
-    count: int
-    drop: bool  # an integer index: the dimension disappears from the result
-    reverse: bool  # a negative step: gather forwards, flip at the end
-
-
-@dataclass(frozen=True)
-class _IndexPlan:
-    dims: tuple[_DimPlan, ...]
-
-    @staticmethod
-    def build(index: Any, shape: tuple[int, ...], name: str) -> _IndexPlan:
-        items = index if isinstance(index, tuple) else (index,)
-        if sum(1 for item in items if item is Ellipsis) > 1:
-            raise CheckpointError("an index can hold only one Ellipsis", tensor=name)
-        explicit = [item for item in items if item is not Ellipsis]
-        if len(explicit) > len(shape):
-            raise CheckpointError(f"too many indices ({len(explicit)}) for a tensor of shape {shape}", tensor=name)
-        expanded: list[Any] = []
-        for item in items:
-            if item is Ellipsis:
-                expanded.extend([slice(None)] * (len(shape) - len(explicit)))
-            else:
-                expanded.append(item)
-        expanded.extend([slice(None)] * (len(shape) - len(expanded)))
-        dims = []
-        for axis, (item, size) in enumerate(zip(expanded, shape)):
-            if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
-                position = int(item) + size if item < 0 else int(item)
-                if not 0 <= position < size:
-                    raise CheckpointError(f"index {item} is out of range for axis {axis} of size {size}", tensor=name)
-                dims.append(_DimPlan(position, 1, 1, True, False))
-            elif isinstance(item, slice):
-                if item.step == 0:
-                    raise CheckpointError(f"slice step cannot be zero (axis {axis})", tensor=name)
-                start, stop, step = item.indices(size)
-                positions = range(start, stop, step)
-                count = len(positions)
-                if step < 0 and count:
-                    dims.append(_DimPlan(positions[-1], -step, count, False, True))
-                else:
-                    dims.append(_DimPlan(start if count else 0, abs(step), count, False, False))
-            else:
-                raise CheckpointError(
-                    f"unsupported index {item!r} on axis {axis}: use ints, slices or Ellipsis", tensor=name)
-        return _IndexPlan(tuple(dims))
-
-    @property
-    def out_shape(self) -> tuple[int, ...]:
-        return tuple(d.count for d in self.dims)
-
-    def intersect(self, offsets: tuple[int, ...],
-                  shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
-        """(index into the chunk, index into the output) for the overlap, or None when empty."""
-        source, target = [], []
-        for d, o, s in zip(self.dims, offsets, shape):
-            if d.count == 0 or s == 0:
-                return None
-            # selected positions are d.start + k*d.step for k in [0, d.count)
-            first = max(0, -(-(o - d.start) // d.step))
-            last = min(d.count, -(-(o + s - d.start) // d.step))
-            if first >= last:
-                return None
-            begin = d.start + first * d.step - o
-            source.append(slice(begin, begin + (last - first - 1) * d.step + 1, d.step))
-            target.append(slice(first, last))
-        return tuple(source), tuple(target)
-
-    def finish(self, out: np.ndarray) -> np.ndarray:
-        flips = tuple(slice(None, None, -1) if d.reverse else slice(None) for d in self.dims)
-        if any(d.reverse for d in self.dims):
-            out = np.ascontiguousarray(out[flips])
-        drops = tuple(0 if d.drop else slice(None) for d in self.dims)
-        return out[drops] if any(d.drop for d in self.dims) else out
-
-
-def parse_index(text: str) -> tuple[Any, ...]:
-    """Parse a numpy-style index written as text ('0:4, 100:108', '..., -1', '::2') without eval."""
-    items: list[Any] = []
-    for part in (p.strip() for p in text.split(",")) if text.strip() else []:
-        if part in ("...", "…"):
-            items.append(Ellipsis)
-            continue
-        fields = part.split(":")
-        try:
-            if len(fields) == 1:
-                items.append(int(fields[0]))
-            elif len(fields) <= 3:
-                items.append(slice(*(int(f) if f.strip() else None for f in fields)))
-            else:
-                raise ValueError
-        except ValueError:
-            raise CheckpointError(f"cannot parse index {part!r} in {text!r}: use ints, start:stop[:step] or ...") \
-                from None
-    return tuple(items)

@@ -12,8 +12,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
-from ..core import parse_index
 from ..formats import open_checkpoint
+from ..indexing import parse_index
 from ..ops.stats import checkpoint_stats
 from ..ops.summary import describe, split_description, totals_by_dtype
 from ..ops.tree import ModuleNode, module_tree
@@ -45,7 +45,9 @@ def inspect(path: str, format_: str | None, chunks: bool, no_tree: bool, as_json
             rows.append((tensor.name, tensor.dtype, "×".join(map(str, tensor.shape)) or "scalar",
                          human_bytes(tensor.nbytes), split_description(tensor)))
             if chunks:
-                rows.extend((f"  {list(c.offsets)} +{list(c.shape)}", "", "", "", f"{c.file} ranks {list(c.ranks)}")
+                rows.extend((f"  {list(c.offsets)} +{list(c.shape)}", "", "", "",
+                             f"{c.file} ranks {list(c.ranks)}"
+                             + (f" contribution {c.contribution}" if tensor.reduction is not None else ""))
                             for c in tensor.chunks)
         click.echo(_columns(rows, right={3}))
         if ck.objects:

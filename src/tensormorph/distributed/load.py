@@ -18,14 +18,14 @@ import torch
 
 from .. import dtypes
 from ..core import Checkpoint
-from ..errors import StateMismatchError
+from ..errors import StateMismatchError, UnsupportedError
 from ..formats import open_checkpoint
 from ..geometry import Box
 from ..storage import LocalFiles, RemoteFiles, is_url, local_path
 from ..tmformat.checkpoint import is_checkpoint_folder, read_manifest, root_of
 from ..tmformat.reader import BoxReader
 from ..torch_arrays import as_numpy, to_torch, vocabulary
-from .state import Leaves, dtensor_types, flatten, local_box
+from .state import Layout, Leaves, dtensor_types, flatten, held_pieces
 
 READ_THREADS = 8
 
@@ -90,12 +90,13 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *, strict: bool = 
         dtensor = dtensor_types()
         jobs = []
         for name in work:
-            box, local, _facts = local_box(name, leaves.tensors[name], dtensor)
-            jobs.append((name, box, local))
-            report.bytes_needed += int(np.prod(box[1])) * dtypes.itemsize(stored[name][0])
+            held, layout = held_pieces(name, leaves.tensors[name], dtensor)
+            for part in held:
+                jobs.append(_Job(name, part.box, part.data, _wanted(name, layout, part.contribution, source)))
+                report.bytes_needed += int(np.prod(part.box[1])) * dtypes.itemsize(stored[name][0])
         with ThreadPoolExecutor(READ_THREADS) as pool:
-            for _ in pool.map(lambda job: _fill(job, stored[job[0]][0], source), jobs):
-                report.tensors_loaded += 1
+            list(pool.map(lambda job: _fill(job, stored[job.name][0], source), jobs))
+        report.tensors_loaded = len(work)
         for name, (container, key) in leaves.slots.items():
             if name in objects and not isinstance(container, tuple):
                 value = objects[name]
@@ -168,17 +169,50 @@ def _mismatch_message(report: LoadReport) -> str:
     return "state dict and checkpoint disagree; " + "; ".join(parts) + " (strict=False loads what matches)"
 
 
-def _fill(job: tuple[str, Box, torch.Tensor], stored_dtype: str, source: BoxReader | Checkpoint) -> None:
+@dataclass(frozen=True)
+class _Job:
+    name: str
+    box: Box
+    local: torch.Tensor  # the view of the local tensor that holds the box
+    wanted: str | int  # "value", "identity" (a Partial target's neutral share), or a stored contribution
+
+
+def _wanted(name: str, layout: Layout, contribution: int, source: BoxReader | Checkpoint) -> str | int:
+    """What a target box receives. A Partial target on the layout it was saved with gets its own contribution;
+    any other Partial target gets the reduced value, split so that its reduction is that value exactly: under sum
+    the first contribution holds it and the others -0.0 (x + -0.0 == x for every x), under min and max all hold it."""
+    if layout.reduce_op is None:
+        return "value"
+    record = source.manifest.tensors[name] if isinstance(source, BoxReader) else None
+    saved = record.reduction if record is not None else None
+    if (saved is not None and record is not None and (saved.op, saved.contributions) == (layout.reduce_op,
+                                                                                         layout.contributions)
+            and record.mesh == layout.mesh and record.placements == layout.placements):
+        return contribution
+    if layout.reduce_op == "avg" and layout.contributions > 1:
+        raise UnsupportedError(f"loading into Partial(avg) over {layout.contributions} contributions needs a "
+                               "checkpoint saved with the same mesh and placements (an even split of the value "
+                               "would not average back to it exactly); load into Replicate or Shard instead",
+                               tensor=name)
+    return "identity" if layout.reduce_op == "sum" and contribution else "value"
+
+
+def _fill(job: _Job, stored_dtype: str, source: BoxReader | Checkpoint) -> None:
     """Read one box into its local tensor: in place when the tensor's memory can take the bytes directly."""
-    name, box, local = job
+    name, box, local = job.name, job.box, job.local
+    if job.wanted == "identity":
+        with torch.no_grad():
+            local.fill_(-0.0)
+        return
+    contribution = job.wanted if isinstance(job.wanted, int) else None
     if isinstance(source, Checkpoint):
         index = tuple(slice(o, o + n) for o, n in zip(*box))
         data = source[name].read(index, budget=max(1, int(np.prod(box[1])) * dtypes.itemsize(stored_dtype)))
     elif local.device.type == "cpu" and local.is_contiguous() and vocabulary(local.dtype) == stored_dtype:
-        source.read_box(name, box, as_numpy(local.detach(), stored_dtype))
+        source.read_box(name, box, as_numpy(local.detach(), stored_dtype), contribution)
         return
     else:
         data = np.empty(box[1], dtypes.numpy_dtype(stored_dtype))
-        source.read_box(name, box, data)
+        source.read_box(name, box, data, contribution)
     with torch.no_grad():
         local.copy_(to_torch(data, stored_dtype))

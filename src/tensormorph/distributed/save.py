@@ -20,7 +20,7 @@ from ..tmformat.manifest import decode_value, encode_value
 from ..tmformat.writer import Blocks, Piece, RankResult, SaveTransaction
 from ..torch_arrays import as_numpy, cpu_contiguous, vocabulary
 from .collective import Collective, failures
-from .state import dtensor_types, flatten, local_box
+from .state import dtensor_types, flatten, held_pieces
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,12 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     dtensor = dtensor_types()
     pieces, local_data = [], {}
     for name, tensor in leaves.tensors.items():
-        box, local, facts = local_box(name, tensor, dtensor)
-        pieces.append(Piece(name, vocabulary(tensor.dtype), tuple(tensor.shape), box[0], box[1], group.rank, **facts))
-        local_data[name] = local
+        held, layout = held_pieces(name, tensor, dtensor)
+        for part in held:
+            piece = Piece(name, vocabulary(tensor.dtype), tuple(tensor.shape), part.box[0], part.box[1], group.rank,
+                          layout.mesh, layout.mesh_ranks, layout.mesh_dim_names, layout.placements, part.contribution)
+            pieces.append(piece)
+            local_data[piece.key] = part.data
     everyone = [p for ps in group.gather(pieces) for p in ps]
 
     # rank 0 plans and prepares the destination; the others learn its token, or its error
@@ -76,7 +79,7 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         # plain values are checked here, on their own rank, so a bad one fails every rank cleanly
         objects = {name: encode_value(value, name) for name, value in leaves.objects.items()}
         mine = save.written_by(group.rank, pieces)
-        return save.write_rank(group.rank, [(p, _blocks(local_data[p.name], p.dtype)) for p in mine], objects)
+        return save.write_rank(group.rank, [(p, _blocks(local_data[p.key], p.dtype)) for p in mine], objects)
 
     results = group.everyone(write, label=f"rank {group.rank}: ")
     errors = failures(results)

@@ -6,13 +6,18 @@ looks for, whatever the mesh.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import UnsupportedError
+from .. import dtypes
+from ..errors import CheckpointError, UnsupportedError
 from ..geometry import Box
+from ..reduction import check_reducible
+from ..tmformat.layout import contribution_of, local_pieces, reduce_op
+from ..torch_arrays import vocabulary
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -71,29 +76,87 @@ def dtensor_types() -> tuple[type[DTensor], ...]:
     return (DTensor,)
 
 
-def local_box(name: str, tensor: torch.Tensor,
-              dtensor: tuple[type[DTensor], ...]) -> tuple[Box, torch.Tensor, dict]:
-    """(the box this rank holds, its local data, mesh facts) of a tensor or DTensor."""
-    if dtensor and isinstance(tensor, dtensor[0]):
-        from torch.distributed.tensor import Shard  # importable whenever DTensor is (see dtensor_types)
+@dataclass(frozen=True)
+class Held:
+    """One box of a tensor that this rank holds: where it lies in the global tensor, and its data (a view of
+    the local tensor)."""
 
-        for p in tensor.placements:
-            kind = type(p).__name__
-            if kind == "_StridedShard":
-                raise UnsupportedError(
-                    f"has placement {p} (_StridedShard, from FSDP2 combined with tensor parallelism), whose local "
-                    "shard is not one box of the tensor; redistribute it to Shard/Replicate before saving", tensor=name)
-            if p.is_partial():
-                raise UnsupportedError(f"has placement {p} (Partial): it awaits a reduction and holds no value of "
-                                       "its own; reduce it (redistribute to Replicate or Shard) first", tensor=name)
-        placements = tuple(f"Shard({p.dim})" if isinstance(p, Shard) else "Replicate()" for p in tensor.placements)
-        chunk = tensor.__create_chunk_list__()
-        if len(chunk) != 1:
-            raise UnsupportedError(f"its local shard is {len(chunk)} boxes; only one box per rank is supported",
-                                   tensor=name)
-        mesh = tensor.device_mesh
-        facts = {"mesh": tuple(mesh.shape), "mesh_ranks": tuple(int(r) for r in mesh.mesh.flatten().tolist()),
-                 "mesh_dim_names": tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-                 "placements": placements}
-        return (tuple(chunk[0].offsets), tuple(chunk[0].sizes)), tensor.to_local(), facts
-    return ((0,) * tensor.dim(), tuple(tensor.shape)), tensor, {}
+    box: Box
+    data: torch.Tensor
+    contribution: int = 0  # under Partial placements: which contribution this rank holds
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a tensor is spread over its mesh (nothing for a plain tensor), and the reduce op under Partial."""
+
+    mesh: tuple[int, ...] | None = None
+    mesh_ranks: tuple[int, ...] | None = None
+    mesh_dim_names: tuple[str, ...] | None = None
+    placements: tuple[str, ...] | None = None
+    reduce_op: str | None = None
+    contributions: int = 1
+
+
+def placement_text(placement: Any) -> str:
+    """A torch placement in the manifest's spelling; UnsupportedError for a kind the format cannot hold."""
+    from torch.distributed.tensor import Partial, Replicate, Shard  # importable whenever DTensor is
+
+    kind = type(placement).__name__
+    if kind == "_StridedShard":
+        return f"_StridedShard({placement.dim}, split_factor={int(placement.split_factor)})"
+    if isinstance(placement, Shard):
+        return f"Shard({placement.dim})"
+    if isinstance(placement, Replicate):
+        return "Replicate()"
+    if isinstance(placement, Partial) and kind == "Partial":  # MaskPartial's local values need its mask first
+        return f"Partial({placement.reduce_op})"
+    raise UnsupportedError(f"placement {placement} ({kind}) has no stored form; redistribute it to Shard, "
+                           "Replicate or Partial first")
+
+
+def held_pieces(name: str, tensor: torch.Tensor, dtensor: tuple[type[DTensor], ...]) -> tuple[list[Held], Layout]:
+    """The boxes this rank holds of a tensor or DTensor (several under some _StridedShard layouts; none for a rank
+    outside the DTensor's mesh), and how the tensor is laid out."""
+    if not (dtensor and isinstance(tensor, dtensor[0])):
+        return [Held(((0,) * tensor.dim(), tuple(tensor.shape)), tensor)], Layout()
+    try:
+        texts = tuple(placement_text(p) for p in tensor.placements)
+    except UnsupportedError as exc:
+        raise UnsupportedError(exc.reason, tensor=name) from None
+    mesh = tensor.device_mesh
+    shape = tuple(tensor.shape)
+    coordinate = mesh.get_coordinate()
+    try:
+        op = reduce_op(texts, name)
+        if op is not None:
+            check_reducible(op, dtypes.numpy_dtype(vocabulary(tensor.dtype)), name)
+        layout = Layout(tuple(mesh.shape), tuple(int(r) for r in mesh.mesh.flatten().tolist()),
+                        tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None, texts, op,
+                        contribution_of(tuple(mesh.shape), texts, (0,) * mesh.ndim)[1])
+        if coordinate is None:
+            return [], layout
+        pieces = local_pieces(shape, tuple(mesh.shape), texts, coordinate)
+        contribution = contribution_of(tuple(mesh.shape), texts, coordinate)[0]
+    except CheckpointError as exc:
+        raise UnsupportedError(exc.reason, tensor=name) from None
+    local = tensor.to_local()
+    local_shape = tuple(max(within[d] + box[1][d] for box, within in pieces) for d in range(len(shape)))
+    # torch's own answer, where it gives one box (it refuses Partial): an empty box may sit anywhere
+    single = len(pieces) == 1 and op is None and math.prod(pieces[0][0][1]) > 0
+    torch_offsets = _torch_offsets(tensor) if single else None
+    if local_shape != tuple(local.shape) or torch_offsets not in (None, pieces[0][0][0]):
+        raise UnsupportedError(
+            f"placements {list(texts)} on mesh {list(mesh.shape)} put the rank at {list(coordinate)} at boxes "
+            f"{[box for box, _ in pieces][:4]}, but torch holds a local tensor of shape {list(local.shape)}"
+            f"{f' at offsets {list(torch_offsets)}' if torch_offsets else ''}: the placements (a split factor?) are "
+            "inconsistent with the data", tensor=name)
+    held = [Held(box, local[tuple(slice(w, w + n) for w, n in zip(within, box[1]))], contribution)
+            for box, within in pieces]
+    return held, layout
+
+
+def _torch_offsets(tensor: DTensor) -> tuple[int, ...] | None:
+    """Where torch places this rank's local tensor, when it says so as one box."""
+    chunks = tensor.__create_chunk_list__()
+    return tuple(chunks[0].offsets) if len(chunks) == 1 else None

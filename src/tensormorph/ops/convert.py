@@ -20,7 +20,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from ..formats import opened
 from ..geometry import split_box
 from ..safe_pickle import is_plain
 from ..storage import as_path, create_new, is_url, remote_defaults
-from ..tmformat.layout import SHARD_PATTERN, local_box, parse_placement
+from ..tmformat.layout import local_pieces, parse_spec
 from ..tmformat.stream import TensorSpec, write_file
 from ..tmformat.writer import Piece, SaveTransaction
 from ..units import parse_size
@@ -241,14 +241,13 @@ def _move_into_place(staging: Path, destination: Path) -> None:
 
 
 def _fit(placement: str, ndim: int) -> str:
-    """`Shard(d)` for a tensor of `ndim` dimensions (negative d counts from the end); a tensor without
-    dimension d (or a scalar) is replicated along that mesh dimension instead."""
-    match = SHARD_PATTERN.match(placement.replace(" ", ""))
-    if match is None:
+    """`Shard(d)` or `_StridedShard(d, ...)` for a tensor of `ndim` dimensions (negative d counts from the end);
+    a tensor without dimension d (or a scalar) is replicated along that mesh dimension instead."""
+    spec = parse_spec(placement)
+    if spec.dim is None:
         return "Replicate()"
-    dim = int(match.group(1))
-    dim = dim + ndim if dim < 0 else dim
-    return f"Shard({dim})" if 0 <= dim < ndim else "Replicate()"
+    dim = spec.dim + ndim if spec.dim < 0 else spec.dim
+    return str(replace(spec, dim=dim)) if 0 <= dim < ndim else "Replicate()"
 
 
 def _plain_objects(ck: Checkpoint) -> tuple[dict[str, Any], list[str]]:
@@ -274,16 +273,18 @@ def _to_tensormorph(ck: Checkpoint, destination: Path | str, specs: list[TensorS
     save = SaveTransaction(destination, overwrite=True, redundancy=redundancy,
                            storage_options=remote_defaults().storage_options,
                            extra={"converted_from": {"path": str(ck.path), "format": ck.format}})
-    for text in placements:
-        parse_placement(text, 1 << 30)  # the spelling only: dimensions are fitted to each tensor below
+    for text in placements:  # the spelling only: dimensions are fitted to each tensor below
+        if parse_spec(text).kind == "partial":
+            raise CheckpointError(f"placement {text!r}: a conversion writes values, not contributions awaiting a "
+                                  "reduction; use Shard(d), _StridedShard(d, split_factor=s) or Replicate()")
     coordinates = list(itertools.product(*(range(n) for n in mesh)))
     pieces: list[list[Piece]] = [[] for _ in coordinates]
     for spec in specs:
         fitted = tuple(_fit(p, len(spec.shape)) for p in placements)
         for rank, coordinate in enumerate(coordinates):
-            offsets, shape = local_box(spec.shape, mesh, fitted, coordinate)
-            pieces[rank].append(Piece(spec.name, spec.dtype, spec.shape, offsets, shape, rank, mesh,
-                                      tuple(range(len(coordinates))), None, fitted))
+            for (offsets, shape), _ in local_pieces(spec.shape, mesh, fitted, coordinate):
+                pieces[rank].append(Piece(spec.name, spec.dtype, spec.shape, offsets, shape, rank, mesh,
+                                          tuple(range(len(coordinates))), None, fitted))
     save.plan([p for ps in pieces for p in ps])
     objects, skipped = _plain_objects(ck)
     if isinstance(destination, Path):

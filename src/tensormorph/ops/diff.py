@@ -311,7 +311,7 @@ def aligned_blocks(a: LogicalTensor, b: LogicalTensor, block_bytes: int) -> Iter
 
 def _chunk_edges(tensor: LogicalTensor, dim: int) -> set[int]:
     edges: set[int] = set()
-    for c in tensor.chunks:
+    for c in tensor.tiling:
         edges.add(c.offsets[dim])
         edges.add(c.offsets[dim] + c.shape[dim])
     return edges

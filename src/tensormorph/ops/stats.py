@@ -117,7 +117,7 @@ def chunk_blocks(tensor: LogicalTensor, chunk: Chunk, block_elements: int) -> It
     Memory-mapped chunks are sliced in place; other sources (dequantised GGUF blocks, ZeRO partitions)
     are read region by region through the tensor, so no chunk is ever materialised whole.
     """
-    if isinstance(chunk.source, MappedArray):
+    if isinstance(chunk.source, MappedArray) and tensor.reduction is None:  # a Partial value is reduced
         yield from blocks(chunk.read(), block_elements)
         return
     box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))
@@ -144,7 +144,7 @@ def tensor_stats(tensor: LogicalTensor, *, block_bytes: int = DEFAULT_BLOCK_BYTE
     accumulator = _Accumulator()
     block_elements = max(1, block_bytes // 8)  # blocks are upcast to float64
     itemsize = tensor.numpy_dtype.itemsize
-    for chunk in tensor.chunks:
+    for chunk in tensor.tiling:
         if chunk.numel == 0:
             continue
         for block in chunk_blocks(tensor, chunk, block_elements):

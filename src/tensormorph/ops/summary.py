@@ -6,6 +6,7 @@ from collections import Counter
 from typing import Any
 
 from ..core import Checkpoint, Chunk, LogicalTensor
+from ..tmformat.layout import partial_mesh_dims
 from .tree import module_tree
 
 
@@ -13,6 +14,9 @@ def split_description(tensor: LogicalTensor) -> str:
     """How a tensor is stored, in words: file-level shard, placement chunks, or one piece (and its encoding)."""
     encoding = stored_encoding(tensor)
     detail = f", {encoding['description']}" if encoding else ""
+    if tensor.reduction is not None:
+        dims = partial_mesh_dims(tensor.placement.placements) if tensor.placement else ()
+        detail = f", {tensor.reduction.describe(dims)}{detail}"
     if tensor.is_placement_sharded:
         ranks = sorted({r for c in tensor.chunks for r in c.ranks})
         who = f", ranks {_ranges(ranks)}" if ranks else ""
@@ -44,7 +48,8 @@ def _ranges(numbers: list[int]) -> str:
 
 def chunk_record(chunk: Chunk) -> dict[str, Any]:
     return {"offsets": list(chunk.offsets), "shape": list(chunk.shape), "file": chunk.file,
-            "byte_range": list(chunk.byte_range) if chunk.byte_range else None, "ranks": list(chunk.ranks)}
+            "byte_range": list(chunk.byte_range) if chunk.byte_range else None, "ranks": list(chunk.ranks),
+            "contribution": chunk.contribution}
 
 
 def tensor_record(tensor: LogicalTensor, *, chunks: bool = True) -> dict[str, Any]:
@@ -55,6 +60,9 @@ def tensor_record(tensor: LogicalTensor, *, chunks: bool = True) -> dict[str, An
         "placement": None if tensor.placement is None else {
             "mesh_shape": list(tensor.placement.mesh_shape), "placements": list(tensor.placement.placements),
             "mesh_dim_names": list(tensor.placement.mesh_dim_names or [])},
+        "reduction": None if tensor.reduction is None else {
+            "op": tensor.reduction.op, "contributions": tensor.reduction.contributions,
+            "mesh_dims": list(partial_mesh_dims(tensor.placement.placements) if tensor.placement else ())},
         "chunk_count": len(tensor.chunks),
         "encoding": stored_encoding(tensor),
     }

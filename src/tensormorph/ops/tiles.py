@@ -254,7 +254,7 @@ def histogram(tensor: LogicalTensor, low: float, high: float, *, bins: int = 64,
     else:
         edges = np.linspace(low, high if high > low else low + 1.0, bins + 1)
     counts = np.zeros(bins, np.int64)
-    for chunk in tensor.chunks:
+    for chunk in tensor.tiling:
         if chunk.numel == 0:
             continue
         for block in chunk_blocks(tensor, chunk, max(1, band_bytes // 8)):

@@ -19,7 +19,6 @@ import numpy as np
 from .. import dtypes
 from ..core import (
     Checkpoint,
-    Chunk,
     LogicalTensor,
     MappedArray,
     ObjectEntry,
@@ -29,10 +28,10 @@ from ..core import (
 from ..errors import CheckpointError, ChecksumError, HeaderError, MissingFileError, UncommittedCheckpointError
 from ..geometry import byte_runs
 from ..storage import AnyPath, ByteStore, read_head, store_at
-from ..tiling import validate_tiling
 from .checksums import verify_blocks
 from .integrity import file_problem, size_problem
-from .manifest import FORMAT, MANIFEST, MAX_MANIFEST_BYTES, SAVE_MARKER, Manifest, TensorRecord, parse
+from .manifest import FORMAT, MANIFEST, MAX_MANIFEST_BYTES, SAVE_MARKER, ChunkRecord, Manifest, TensorRecord, parse
+from .placement_check import checked_chunks
 from .recovery import all_files, check_recoverable
 
 
@@ -102,12 +101,13 @@ def open_folder(path: AnyPath) -> Checkpoint:
     tensors = {}
     for name, record in manifest.tensors.items():
         dtype = dtypes.numpy_dtype(record.dtype)
-        chunks = [Chunk(c.offsets, c.shape, c.file, c.byte_range,
-                        CheckedArray(files, c.file, c.byte_range[0], dtype, c.shape, crcs=c.block_crc32c, tensor=name),
-                        c.holders or (c.rank,))
-                  for c in record.chunks]
-        chunks = validate_tiling(name, record.shape, chunks, file=str(root / MANIFEST))
-        tensors[name] = LogicalTensor(name, record.dtype, record.shape, tuple(chunks), placement_of(record))
+
+        def source(c: ChunkRecord, name: str = name, dtype: np.dtype = dtype) -> CheckedArray:
+            return CheckedArray(files, c.file, c.byte_range[0], dtype, c.shape, crcs=c.block_crc32c, tensor=name)
+
+        chunks = checked_chunks(name, record, str(root / MANIFEST), source)
+        tensors[name] = LogicalTensor(name, record.dtype, record.shape, tuple(chunks), placement_of(record),
+                                      reduction=record.reduction)
     objects = {name: ObjectEntry(name, None, MANIFEST, in_memory(value)) for name, value in manifest.objects.items()}
     metadata = {"format_version": 1, "world_size": manifest.world_size, "writer": manifest.writer,
                 "created": manifest.created, "extra": manifest.extra}

@@ -1,61 +1,208 @@
-"""Placement arithmetic: which box of a tensor each rank holds, and which rank writes each box.
+"""Placement arithmetic: which boxes of a tensor each rank holds, and which rank writes each box.
 
-Pure Python, no torch: the offline resharder and the format reader use it as
-well as the distributed save. Boxes follow DTensor's rules (docs/formats.md,
-"DTensor placements"): `Shard(d)` splits the current local piece along d as
-`torch.chunk` does (ceil division, trailing ranks short or empty), mesh
-dimensions applied in order; `Replicate()` keeps it whole.
+Pure Python, no torch: the offline resharder, the format reader and the distributed save all use it.
+Boxes follow DTensor's rules (docs/formats.md, "DTensor placements"), mesh dimensions applied in order
+to the rank's current local piece:
+
+- `Shard(d)` splits the local piece along d as `torch.chunk` does (ceil division, trailing ranks short
+  or empty).
+- `_StridedShard(d, sf=s)` (FSDP2 over tensor parallelism) first cuts the local piece along d into s
+  parts as `torch.chunk` does, splits each part as `Shard(d)` would, and keeps this rank's share of every
+  part, concatenated in order. A rank's local tensor may thus be several boxes; with the later `Shard(d)`
+  of FSDP2 + TP (sf = that dimension's mesh size) it is one again.
+- `Replicate()` and `Partial(op)` keep the local piece whole; under `Partial` the ranks along that mesh
+  dimension hold different contributions (see reduction.py).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 from ..errors import CheckpointError
 from ..geometry import Box, shard_range
+from ..reduction import REDUCE_OPS
 
 SHARD_PATTERN = re.compile(r"^S(?:hard)?\((-?\d+)\)$")
+_STRIDED = re.compile(r"^_S(?:tridedShard)?\((?:dim=)?(-?\d+),(?:sf=|split_factor=)?(\d+)\)$")
 _REPLICATE = re.compile(r"^R(?:eplicate)?(?:\(\))?$")
+_PARTIAL = re.compile(r"^P(?:artial)?(?:\((?:reduce_op=)?['\"]?(\w*)['\"]?\))?$")
+MAX_LOCAL_PIECES = 4096
+"""Most boxes one rank's local tensor may be made of. Nested `_StridedShard`s multiply their split factors,
+and a manifest chooses them: without a bound, one tensor could ask for billions of boxes."""
 BoxKey = TypeVar("BoxKey", bound=Hashable)  # whatever names a stored box
 
 
-def parse_placement(text: str, ndim: int) -> int | None:
-    """The sharded dimension of 'Shard(d)' (or 'S(d)'), None for 'Replicate()' (or 'R')."""
+@dataclass(frozen=True)
+class Spec:
+    """One placement, parsed: kind "shard", "strided", "replicate" or "partial"."""
+
+    kind: str
+    dim: int | None = None
+    split_factor: int = 1
+    op: str | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "shard":
+            return f"Shard({self.dim})"
+        if self.kind == "strided":
+            return f"_StridedShard({self.dim}, split_factor={self.split_factor})"
+        return f"Partial({self.op})" if self.kind == "partial" else "Replicate()"
+
+
+def parse_spec(text: str, ndim: int | None = None) -> Spec:
+    """A placement's text ('Shard(0)', 'S(0)', 'Replicate()', 'Partial(sum)', '_StridedShard(0, sf=2)'), its
+    dimension checked against a tensor of `ndim` dimensions when given."""
     spec = text.replace(" ", "")
     if _REPLICATE.match(spec):
-        return None
-    match = SHARD_PATTERN.match(spec)
+        return Spec("replicate")
+    partial = _PARTIAL.match(spec)
+    if partial is not None:
+        op = partial.group(1) or "sum"
+        if op not in REDUCE_OPS:
+            raise CheckpointError(f"placement {text!r} has an unknown reduce op {op!r}: expected one of "
+                                  f"{', '.join(REDUCE_OPS)}")
+        return Spec("partial", op=op)
+    strided = _STRIDED.match(spec)
+    match = strided or SHARD_PATTERN.match(spec)
     if match is None:
-        raise CheckpointError(f"unknown placement {text!r}: expected Shard(d) or Replicate()")
+        raise CheckpointError(f"unknown placement {text!r}: expected Shard(d), Replicate(), Partial(op) or "
+                              "_StridedShard(d, sf=s)")
     dim = int(match.group(1))
-    if not -ndim <= dim < ndim:
-        raise CheckpointError(f"placement {text!r} names dimension {dim} of a {ndim}-dimensional tensor")
-    return dim % ndim
+    if ndim is not None:
+        if not -ndim <= dim < ndim:
+            raise CheckpointError(f"placement {text!r} names dimension {dim} of a {ndim}-dimensional tensor")
+        dim %= ndim
+    if strided is None:
+        return Spec("shard", dim)
+    factor = int(strided.group(2))
+    if factor < 1:
+        raise CheckpointError(f"placement {text!r} has split factor {factor}: it must be at least 1")
+    return Spec("strided", dim, factor)
+
+
+Segments = list[tuple[int, int]]  # (global start, length) along one dimension, in the local tensor's order
+
+
+def _take(segments: Segments, begin: int, end: int) -> Segments:
+    """The part [begin, end) of the concatenation of `segments`, as segments."""
+    out, position = [], 0
+    for start, length in segments:
+        low, high = max(begin, position), min(end, position + length)
+        if low < high:
+            out.append((start + low - position, high - low))
+        position += length
+    return out
+
+
+def local_pieces(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[str],
+                 coordinate: Sequence[int]) -> list[tuple[Box, tuple[int, ...]]]:
+    """The boxes held at mesh `coordinate`: (global box, its offsets within the rank's local tensor) each,
+    in C order of the local tensor. One box for Shard/Replicate/Partial; `_StridedShard` may give several."""
+    ndim = len(shape)
+    along: list[Segments] = [[(0, n)] for n in shape]
+    for mesh_size, placement, index in zip(mesh_shape, placements, coordinate, strict=True):
+        spec = parse_spec(placement, ndim)
+        if spec.dim is None:
+            continue
+        segments = along[spec.dim]
+        length = sum(n for _, n in segments)
+        if spec.split_factor > max(1, length):
+            raise CheckpointError(f"placement {placement} splits a dimension of {length} elements into "
+                                  f"{spec.split_factor} parts: the split factor is inconsistent with the shape "
+                                  f"{list(shape)}")
+        taken: Segments = []
+        first = None
+        for part in range(spec.split_factor):  # Shard is _StridedShard with one part
+            part_begin, part_end = shard_range(length, spec.split_factor, part)
+            begin, end = shard_range(part_end - part_begin, mesh_size, index)
+            first = part_begin + begin if first is None else first
+            taken += _take(segments, part_begin + begin, part_begin + end)
+        # an empty share is an empty box where it would begin, as torch and DCP place it
+        along[spec.dim] = _merged(taken) or [(_position(segments, first or 0), 0)]
+        if math.prod(max(1, len(s)) for s in along) > MAX_LOCAL_PIECES:
+            raise CheckpointError(f"placements {list(placements)} give a rank more than {MAX_LOCAL_PIECES} boxes "
+                                  f"of a tensor of shape {list(shape)}")
+    pieces = []
+    for parts in itertools.product(*(_with_local_offsets(s) for s in along)):
+        box = (tuple(p[0] for p in parts), tuple(p[1] for p in parts))
+        pieces.append((box, tuple(p[2] for p in parts)))
+    return pieces
+
+
+def _position(segments: Segments, local: int) -> int:
+    """The global index of local index `local` (the end of the last segment when it is the length)."""
+    for start, length in segments:
+        if local < length:
+            return start + local
+        local -= length
+    return segments[-1][0] + segments[-1][1] if segments else 0
+
+
+def _merged(segments: Segments) -> Segments:
+    out: Segments = []
+    for start, length in segments:
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((start, length))
+    return out
+
+
+def _with_local_offsets(segments: Segments) -> list[tuple[int, int, int]]:
+    """(global start, length, start within the local tensor) of each segment."""
+    out, position = [], 0
+    for start, length in segments:
+        out.append((start, length, position))
+        position += length
+    return out
 
 
 def local_box(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[str],
               coordinate: Sequence[int]) -> Box:
-    """The box held at mesh `coordinate` of a tensor of global `shape`."""
-    offsets, sizes = [0] * len(shape), list(shape)
-    for mesh_size, placement, index in zip(mesh_shape, placements, coordinate, strict=True):
-        dim = parse_placement(placement, len(shape))
-        if dim is None:
-            continue
-        begin, end = shard_range(sizes[dim], mesh_size, index)
-        offsets[dim] += begin
-        sizes[dim] = end - begin
-    return tuple(offsets), tuple(sizes)
+    """The one box held at mesh `coordinate`; CheckpointError when the placements give that rank several."""
+    pieces = local_pieces(shape, mesh_shape, placements, coordinate)
+    if len(pieces) != 1:
+        raise CheckpointError(f"placements {list(placements)} give the rank at {list(coordinate)} {len(pieces)} "
+                              "boxes, not one")
+    return pieces[0][0]
 
 
-def rank_boxes(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[str]) -> list[Box]:
-    """Every rank's box, for a mesh whose ranks are numbered in row-major order of their coordinates."""
+def contribution_of(mesh_shape: Sequence[int], placements: Sequence[str],
+                    coordinate: Sequence[int]) -> tuple[int, int]:
+    """(which contribution the rank at `coordinate` holds, how many there are) under its Partial placements:
+    the row-major index of its coordinate along the Partial mesh dimensions; (0, 1) without any."""
+    index, count = 0, 1
+    for mesh_size, placement, position in zip(mesh_shape, placements, coordinate, strict=True):
+        if parse_spec(placement).kind == "partial":
+            index, count = index * mesh_size + position, count * mesh_size
+    return index, count
+
+
+def reduce_op(placements: Sequence[str], tensor: str | None = None) -> str | None:
+    """The reduce op of the Partial placements (None without any); one op for all of them."""
+    ops = {spec.op for spec in (parse_spec(p) for p in placements) if spec.kind == "partial"}
+    if len(ops) > 1:
+        raise CheckpointError(f"placements {list(placements)} mix reduce ops {sorted(o or '' for o in ops)}: the "
+                              "order of such a reduction is not defined", tensor=tensor)
+    return ops.pop() if ops else None
+
+
+def partial_mesh_dims(placements: Sequence[str]) -> tuple[int, ...]:
+    return tuple(i for i, p in enumerate(placements) if parse_spec(p).kind == "partial")
+
+
+def rank_pieces(shape: Sequence[int], mesh_shape: Sequence[int],
+                placements: Sequence[str]) -> list[list[tuple[Box, tuple[int, ...]]]]:
+    """Every rank's pieces, for a mesh whose ranks are numbered in row-major order of their coordinates."""
     if len(mesh_shape) != len(placements):
         raise CheckpointError(f"a mesh of {len(mesh_shape)} dimensions needs as many placements, "
                               f"got {list(placements)}")
-    return [local_box(shape, mesh_shape, placements, coordinate)
+    return [local_pieces(shape, mesh_shape, placements, coordinate)
             for coordinate in itertools.product(*(range(n) for n in mesh_shape))]
 
 

@@ -21,7 +21,9 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import CheckpointError, ChecksumError, HeaderError, UnsupportedError
+from ..reduction import Reduction, check_reducible
 from .checksums import CHECKSUM_BLOCK
+from .layout import contribution_of, parse_spec, reduce_op
 from .parity import MAX_SEGMENT, MAX_STEP_BYTES, parse_scheme
 
 FORMAT = "tensormorph"
@@ -61,11 +63,15 @@ class ChunkRecord:
     block_crc32c: np.ndarray  # uint32, one per CHECKSUM_BLOCK of the chunk's bytes
     rank: int
     holders: tuple[int, ...] = ()  # every rank that held an identical copy (replicas are stored once)
+    contribution: int = 0  # under Partial placements: which contribution this box belongs to
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "offsets": list(self.offsets), "shape": list(self.shape),
-                "byte_range": list(self.byte_range), "crc32c": pack_crcs(self.block_crc32c),
-                "rank": self.rank, "holders": list(self.holders)}
+        record = {"file": self.file, "offsets": list(self.offsets), "shape": list(self.shape),
+                  "byte_range": list(self.byte_range), "crc32c": pack_crcs(self.block_crc32c),
+                  "rank": self.rank, "holders": list(self.holders)}
+        if self.contribution:
+            record["contribution"] = self.contribution
+        return record
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,14 @@ class TensorRecord:
     mesh_ranks: tuple[int, ...] | None = None  # the mesh's global ranks, row-major
     mesh_dim_names: tuple[str, ...] | None = None
     placements: tuple[str, ...] | None = None
+
+    @property
+    def reduction(self) -> Reduction | None:
+        """How the contributions combine, for a tensor with Partial placements (validated when parsed)."""
+        op = reduce_op(self.placements or ())
+        if op is None or self.mesh is None:
+            return None
+        return Reduction(op, contribution_of(self.mesh, self.placements or (), (0,) * len(self.mesh))[1])
 
     def to_json(self) -> dict[str, Any]:
         record: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape)}
@@ -398,9 +412,12 @@ def _tensor(name: str, info: Any, files: dict[str, FileRecord], where: str) -> T
         if not isinstance(holders, list) or not all(isinstance(h, int) for h in holders):
             raise HeaderError("chunk holders must be a list of ranks", file=where, tensor=name)
         chunks.append(ChunkRecord(file, offsets, chunk_shape, (begin, end), crcs,
-                                  _int(raw.get("rank"), "rank", where), tuple(holders)))
+                                  _int(raw.get("rank"), "rank", where), tuple(holders),
+                                  _int(raw.get("contribution", 0), "contribution", where)))
     mesh = info.get("mesh")
     if mesh is None:
+        if any(c.contribution for c in chunks):
+            _fail("chunks name contributions, but the tensor has no Partial placement", where, name)
         return TensorRecord(dtype, shape, tuple(chunks))
     mesh = _dict(mesh, "mesh", where, name)
     placements = info.get("placements")
@@ -410,8 +427,22 @@ def _tensor(name: str, info: Any, files: dict[str, FileRecord], where: str) -> T
         raise HeaderError(f"placements {_brief(placements)} do not match the mesh {_brief(list(mesh_shape))}",
                           file=where, tensor=name)
     names = mesh.get("dim_names")
-    return TensorRecord(dtype, shape, tuple(chunks), mesh_shape, _shape(mesh.get("ranks", []), where, name),
-                        tuple(names) if isinstance(names, list) else None, tuple(placements))
+    record = TensorRecord(dtype, shape, tuple(chunks), mesh_shape, _shape(mesh.get("ranks", []), where, name),
+                          tuple(names) if isinstance(names, list) else None, tuple(placements))
+    try:
+        for placement in placements:
+            parse_spec(placement, len(shape))
+        reduction = record.reduction
+        if reduction is not None:
+            check_reducible(reduction.op, dtypes.numpy_dtype(dtype), name)
+    except CheckpointError as exc:
+        raise HeaderError(exc.reason, file=where, tensor=name) from None
+    count = reduction.contributions if reduction else 1
+    stray = next((c for c in chunks if c.contribution >= count), None)
+    if stray is not None:
+        _fail(f"chunk at offsets {list(stray.offsets)} is contribution {stray.contribution}, but the placements "
+              f"{placements} give {count}", where, name)
+    return record
 
 
 def _fail(reason: str, where: str, name: str | None = None) -> NoReturn:

@@ -18,14 +18,16 @@ import crc32c
 import numpy as np
 
 from .. import dtypes
-from ..core import Chunk
+from ..core import PARTIAL_BLOCK_BYTES
 from ..errors import CheckpointError, ChecksumError, MissingFileError, TruncatedFileError
 from ..geometry import Box, box_runs, intersect
+from ..reduction import combine, finish
 from ..storage import ByteStore
-from ..tiling import LayoutOnly, validate_tiling
+from ..tiling import LayoutOnly
 from .checksums import verify_blocks
 from .integrity import file_crc32c
 from .manifest import ChunkRecord, FileRecord, Manifest
+from .placement_check import checked_chunks
 from .recovery import all_files, group_of, recover
 
 
@@ -34,8 +36,7 @@ class BoxReader:
 
     def __init__(self, manifest: Manifest, files: ByteStore, where: str, *, verify: bool = True):
         for name, record in manifest.tensors.items():  # a gap would leave part of a destination unwritten
-            validate_tiling(name, record.shape, [Chunk(c.offsets, c.shape, c.file, c.byte_range, LayoutOnly())
-                                                 for c in record.chunks], file=where)
+            checked_chunks(name, record, where, lambda _: LayoutOnly())
         self.manifest, self.files, self.where, self.verify = manifest, files, where, verify
         self.bytes_read = 0
         self.blocks_verified = 0
@@ -52,11 +53,35 @@ class BoxReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def read_box(self, name: str, box: Box, out: np.ndarray) -> None:
-        """Fill `out` (shaped like the box, the tensor's dtype) with the box of tensor `name`."""
+    def read_box(self, name: str, box: Box, out: np.ndarray, contribution: int | None = None) -> None:
+        """Fill `out` (shaped like the box, the tensor's dtype) with the box of tensor `name`.
+
+        A Partial tensor's box is the reduction of its contributions (reduction.py), folded in row blocks of
+        PARTIAL_BLOCK_BYTES; with `contribution`, only that contribution as stored.
+        """
+        record = self.manifest.tensors[name]
+        reduction = record.reduction
+        if reduction is None or contribution is not None:
+            self._read_contribution(name, box, out, contribution or 0)
+            return
+        self._read_contribution(name, box, out, 0)
+        row_bytes = out[:1].nbytes if out.ndim else out.nbytes
+        rows = max(1, PARTIAL_BLOCK_BYTES // max(1, row_bytes))
+        for other in range(1, reduction.contributions):
+            for first in range(0, box[1][0] if box[1] else 1, rows):
+                part = out[first:first + rows] if out.ndim else out[...]
+                piece = np.empty_like(part)
+                within = ((box[0][0] + first,) + box[0][1:], part.shape) if out.ndim else box
+                self._read_contribution(name, within, piece, other)
+                combine(reduction.op, part, piece, name)
+        finish(reduction.op, out, reduction.contributions)
+
+    def _read_contribution(self, name: str, box: Box, out: np.ndarray, contribution: int) -> None:
         record = self.manifest.tensors[name]
         itemsize = dtypes.itemsize(record.dtype)
         for chunk in record.chunks:
+            if chunk.contribution != contribution:
+                continue
             overlap = intersect(box, (chunk.offsets, chunk.shape))
             if overlap is None:
                 continue

@@ -36,7 +36,7 @@ from .stream import OutputFile, TensorSpec, Written, write_stream
 
 SHARDING_KEY = "DCP_SHARDING_INFO"  # DCP's HuggingFaceStorageReader reads each chunk's offsets from here
 
-Key = tuple[str, tuple[int, ...], tuple[int, ...]]  # (tensor, offsets, shape)
+Key = tuple[str, tuple[int, ...], tuple[int, ...], int]  # (tensor, offsets, shape, contribution)
 
 
 @dataclass(frozen=True)
@@ -53,10 +53,11 @@ class Piece:
     mesh_ranks: tuple[int, ...] | None = None
     mesh_dim_names: tuple[str, ...] | None = None
     placements: tuple[str, ...] | None = None
+    contribution: int = 0  # under Partial placements: which contribution this rank's box is part of
 
     @property
     def key(self) -> Key:
-        return self.name, self.offsets, self.shape
+        return self.name, self.offsets, self.shape, self.contribution
 
     @property
     def nbytes(self) -> int:
@@ -66,27 +67,33 @@ class Piece:
 def plan_writers(pieces: Iterable[Piece]) -> dict[Key, int]:
     """One writer rank for every distinct non-empty box (replicas are written once, balanced by bytes).
 
-    Also checks that all ranks agree on each tensor's dtype and global shape and that the boxes tile it.
+    Also checks that all ranks agree on each tensor's dtype and global shape and that the boxes tile it (each
+    contribution's, under Partial placements).
     """
     holders: dict[Key, tuple[int, list[int]]] = {}
     first: dict[str, Piece] = {}
+    contributions: dict[str, set[int]] = {}
     for piece in pieces:
         seen = first.setdefault(piece.name, piece)
         if (seen.dtype, seen.global_shape) != (piece.dtype, piece.global_shape):
             raise HeaderError(f"rank {seen.rank} holds it as {seen.dtype} {list(seen.global_shape)}, rank "
                               f"{piece.rank} as {piece.dtype} {list(piece.global_shape)}: every rank must agree",
                               tensor=piece.name)
+        contributions.setdefault(piece.name, set()).add(piece.contribution)
         if math.prod(piece.shape) == 0:
             continue
         holders.setdefault(piece.key, (piece.nbytes, []))[1].append(piece.rank)
-    by_tensor: dict[str, list[Chunk]] = {}
-    for name, offsets, shape in holders:
-        by_tensor.setdefault(name, []).append(Chunk(offsets, shape, None, None, source=LayoutOnly()))
+    by_tensor: dict[tuple[str, int], list[Chunk]] = {}
+    for name, offsets, shape, contribution in holders:
+        by_tensor.setdefault((name, contribution), []).append(Chunk(offsets, shape, None, None, source=LayoutOnly()))
     for name, piece in first.items():
-        try:
-            validate_tiling(name, piece.global_shape, by_tensor.get(name, []))
-        except ChunkLayoutError as exc:
-            raise ChunkLayoutError(f"the ranks' shards do not tile the tensor: {exc.reason}", tensor=name) from None
+        for contribution in sorted(contributions[name]):
+            try:
+                validate_tiling(name, piece.global_shape, by_tensor.get((name, contribution), []))
+            except ChunkLayoutError as exc:
+                which = f"contribution {contribution}: " if contribution or len(contributions[name]) > 1 else ""
+                raise ChunkLayoutError(f"the ranks' shards do not tile the tensor: {which}{exc.reason}",
+                                       tensor=name) from None
     return assign_writers(holders)
 
 
@@ -97,10 +104,14 @@ def write_rank_file(f: OutputFile, rank: int,
     Each chunk is stored under its tensor's name with its global offsets in DCP_SHARDING_INFO,
     so the file is also a DCP sharded-safetensors file.
     """
-    info = {piece.name: {"saved_offsets": list(piece.offsets)} for piece, _ in chunks}
+    names, info = [], {}
+    for piece, _ in chunks:  # a rank's further boxes of one tensor (_StridedShard) are named by their offsets
+        name = piece.name if piece.name not in info else f"{piece.name}@{','.join(map(str, piece.offsets))}"
+        names.append(name)
+        info[name] = {"saved_offsets": list(piece.offsets)}
     metadata = {"format": "pt", SHARDING_KEY: json.dumps(info, separators=(",", ":")), "tensormorph_rank": str(rank)}
-    return write_stream(f, [(TensorSpec(p.name, p.dtype, p.shape), blocks()) for p, blocks in chunks], metadata,
-                        checksum_block=CHECKSUM_BLOCK)
+    return write_stream(f, [(TensorSpec(name, p.dtype, p.shape), blocks()) for name, (p, blocks) in zip(names, chunks)],
+                        metadata, checksum_block=CHECKSUM_BLOCK)
 
 
 def build_manifest(pieces: Iterable[Piece], writers: dict[Key, int], written: dict[int, tuple[list[Key], Written]],
@@ -118,7 +129,7 @@ def build_manifest(pieces: Iterable[Piece], writers: dict[Key, int], written: di
         files[name] = FileRecord(result.size, result.crc32c, rank)
         for key, byte_range, crcs in zip(keys, result.ranges, result.block_crc32c):
             stored[key] = ChunkRecord(name, key[1], key[2], byte_range, np.asarray(crcs, dtype=np.uint32), rank,
-                                      tuple(sorted(holders[key])))
+                                      tuple(sorted(holders[key])), key[3])
     missing = [key for key in writers if key not in stored]
     if missing:
         raise HeaderError(f"{len(missing)} chunks were planned but not written, e.g. {missing[0]}")
@@ -127,7 +138,7 @@ def build_manifest(pieces: Iterable[Piece], writers: dict[Key, int], written: di
         chunks_of.setdefault(key[0], []).append(chunk)
     tensors = {}
     for name, piece in by_name.items():
-        chunks = tuple(sorted(chunks_of.get(name, []), key=lambda c: c.offsets))
+        chunks = tuple(sorted(chunks_of.get(name, []), key=lambda c: (c.contribution, c.offsets)))
         tensors[name] = TensorRecord(piece.dtype, piece.global_shape, chunks, piece.mesh, piece.mesh_ranks,
                                      piece.mesh_dim_names, piece.placements)
     writer = {"tensormorph": __version__, "python": platform.python_version(), "host": platform.node()}

@@ -111,6 +111,12 @@ export class Inspector {
       const names = p.mesh_dim_names && p.mesh_dim_names.length ? ` (${p.mesh_dim_names.join(', ')})` : '';
       where.push(['mesh', `${p.mesh_shape.join('×')}${names}`], ['placements', p.placements.join(', ')]);
     }
+    if (record.reduction) {
+      const red = record.reduction;
+      const dims = red.mesh_dims.length ? ` over mesh dim${red.mesh_dims.length > 1 ? 's' : ''} ${red.mesh_dims.join(', ')}` : '';
+      where.push(['value', `Partial(${red.op})${dims}: ${red.contributions} contribution${red.contributions === 1 ? '' : 's'}, reduced in order`,
+        { 'data-testid': 'reduction' }]);
+    }
     const storage = section('Where the data lives', facts(where));
 
     this.costEl = el('div', { class: 'cost', 'data-testid': 'cost' });
@@ -155,8 +161,10 @@ export class Inspector {
 
   chunksTable(record, rank) {
     const wrap = el('div', { class: 'chunks-wrap' });
+    const partial = Boolean(record.reduction);
     const table = el('table', { class: 'chunks', 'data-testid': 'chunks' },
-      el('tr', {}, el('th', {}, '#'), el('th', {}, 'offsets'), el('th', {}, 'shape'), el('th', {}, 'file'), el('th', {}, 'ranks')));
+      el('tr', {}, el('th', {}, '#'), el('th', {}, 'offsets'), el('th', {}, 'shape'), el('th', {}, 'file'), el('th', {}, 'ranks'),
+        partial ? el('th', { title: 'which Partial contribution this box belongs to' }, 'contribution') : null));
     this.chunkRows = [];
     const chunks = record.chunks || [];
     chunks.slice(0, MAX_CHUNK_ROWS).forEach((c, i) => {
@@ -164,7 +172,8 @@ export class Inspector {
       const tr = el('tr', { class: mine ? 'mine' : null, 'data-chunk': i },
         el('td', {}, String(i)), el('td', {}, `[${c.offsets.join(', ')}]`), el('td', {}, fmtShape(c.shape)),
         el('td', { title: c.byte_range ? `bytes ${c.byte_range[0]}–${c.byte_range[1]}` : '' }, c.file),
-        el('td', {}, c.ranks.length ? c.ranks.join(',') : '–'));
+        el('td', {}, c.ranks.length ? c.ranks.join(',') : '–'),
+        partial ? el('td', {}, String(c.contribution)) : null);
       this.chunkRows.push(tr);
       table.append(tr);
     });

@@ -1,11 +1,13 @@
-"""Finding a DeepSpeed checkpoint's files: the tag folder `latest` names, and one optimizer-states file per rank."""
+"""Finding a DeepSpeed checkpoint's files: the tag folder `latest` names, and the per-rank files of every
+model-parallel (tensor-parallel) rank: one model-states file (stage 3: one per rank) and one optimizer-states
+file per data-parallel rank."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from ...errors import HeaderError, MissingFileError, UnsupportedError
+from ...errors import HeaderError, MissingFileError
 from ...storage import AnyPath, RemotePath, entries, read_small, store_at
 
 LATEST = "latest"
@@ -56,53 +58,83 @@ def names_in(folder: AnyPath) -> list[str]:
     """The file names in a tag folder: listed, or over HTTP (no listing) found by the names DeepSpeed gives them."""
     if not (isinstance(folder, RemotePath) and folder.remote.is_http):
         return [entry.name for entry in entries(folder)]
-    found = [name for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
-             if (folder / name).is_file()]
-    for prefix in ("", "bf16_"):
-        for rank in range(MAX_PROBED_RANKS):
-            name = f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-            if not (folder / name).is_file():
-                break
-            found.append(name)
+    found: list[str] = []
+    for mp in range(MAX_PROBED_RANKS):
+        models = [name for name in (f"mp_rank_{mp:02d}_model_states.pt",
+                                    f"zero_pp_rank_0_mp_rank_{mp:02d}_model_states.pt") if (folder / name).is_file()]
+        if not models:
+            break
+        found += models
+        for prefix in ("", "bf16_"):
+            for rank in range(MAX_PROBED_RANKS):
+                name = f"{prefix}zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt"
+                if not (folder / name).is_file():
+                    break
+                found.append(name)
     return sorted(found)
 
 
-def optim_files(folder: AnyPath) -> list[str]:
-    """The optimizer-state files, indexed by data-parallel rank, checked to be complete and unambiguous."""
-    by_rank: dict[int, str] = {}
+def _complete(numbers: set[int]) -> list[int]:
+    """The numbers missing from 0..n-1 for n numbers found ([0] for none); comparing against the count keeps a
+    forged rank number cheap (no table of three billion ranks)."""
+    if not numbers:
+        return [0]
+    missing = [r for r in range(len(numbers)) if r not in numbers]
+    return missing or ([len(numbers)] if max(numbers) >= len(numbers) else [])
+
+
+def optim_files(folder: AnyPath) -> list[list[str]]:
+    """The optimizer-state files, indexed [model-parallel rank][data-parallel rank], checked to be complete
+    and unambiguous: every model-parallel rank holds the same data-parallel ranks."""
+    by_rank: dict[int, dict[int, str]] = {}
     for name in names_in(folder):
         match = OPTIM_FILE.match(name)
         if not match:
             continue
         rank, mp = int(match.group(2)), int(match.group(3))
-        if mp != 0:
-            raise UnsupportedError("holds model-parallel (tensor/pipeline) partitions; convert it with DeepSpeed's "
-                                   "ds_to_universal first, whose output this library reads", file=str(folder / name))
-        if rank in by_rank:
-            raise HeaderError(f"{by_rank[rank]} and {name} both hold data-parallel rank {rank}'s optimizer "
+        held = by_rank.setdefault(mp, {})
+        if rank in held:
+            raise HeaderError(f"{held[rank]} and {name} both hold data-parallel rank {rank}'s optimizer "
                               "states (a bf16 and a non-bf16 save mixed in one folder)", file=str(folder))
-        by_rank[rank] = name
-    # ranks must be 0..n-1 for n files; comparing against the count keeps a forged rank number cheap
-    missing = [r for r in range(len(by_rank)) if r not in by_rank] if by_rank else [0]
-    if not missing and max(by_rank) >= len(by_rank):
-        missing = [len(by_rank)]
-    if missing:
-        raise MissingFileError(f"the optimizer states of data-parallel ranks {missing} are missing "
-                               f"(found {len(by_rank)} *_optim_states.pt files)", file=str(folder))
-    return [by_rank[r] for r in range(len(by_rank))]
+        held[rank] = name
+    missing_mp = _complete(set(by_rank))
+    if missing_mp:
+        raise MissingFileError(f"the optimizer states of model-parallel ranks {missing_mp} are missing (found "
+                               f"*_mp_rank_XX_optim_states.pt files of model-parallel ranks {sorted(by_rank)[:8]})",
+                               file=str(folder))
+    grid = []
+    for mp in range(len(by_rank)):
+        held = by_rank[mp]
+        missing = _complete(set(held))
+        if missing:
+            raise MissingFileError(f"the optimizer states of model-parallel rank {mp}'s data-parallel ranks "
+                                   f"{missing} are missing (found {len(held)} *_mp_rank_{mp:02d}_optim_states.pt "
+                                   "files)", file=str(folder))
+        if len(held) != len(by_rank[0]):
+            raise MissingFileError(f"model-parallel rank {mp} has optimizer states of {len(held)} data-parallel "
+                                   f"ranks, model-parallel rank 0 of {len(by_rank[0])}: the files of the others "
+                                   "are missing", file=str(folder))
+        grid.append([held[r] for r in range(len(held))])
+    return grid
 
 
-def model_file(folder: AnyPath) -> str:
-    """Rank 0's model-states file (stage 3 names it per rank)."""
-    found = [name for name in names_in(folder) if MODEL_FILE.match(name)]
-    for name in found:
+def model_files(folder: AnyPath, mp_ranks: int) -> list[str]:
+    """Each model-parallel rank's (data-parallel rank 0's) model-states file (stage 3 names it per rank)."""
+    found: dict[str, int] = {}
+    for name in names_in(folder):
         match = MODEL_FILE.match(name)
-        if match is not None and int(match.group(2)) != 0:
-            raise UnsupportedError("holds a model-parallel (tensor/pipeline) partition; convert the checkpoint with "
-                                   "DeepSpeed's ds_to_universal first, whose output this library reads",
-                                   file=str(folder / name))
-    for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt"):
-        if name in found:
-            return name
-    raise MissingFileError("holds no rank-0 model states (mp_rank_00_model_states.pt, or for ZeRO-3 "
-                           "zero_pp_rank_0_mp_rank_00_model_states.pt)", file=str(folder))
+        if match:
+            found[name] = int(match.group(2))
+    beyond = sorted(name for name, mp in found.items() if mp >= mp_ranks)
+    if beyond:
+        raise HeaderError(f"holds the model states of model-parallel rank {found[beyond[0]]}, but the folder holds "
+                          f"optimizer states of only {mp_ranks} model-parallel ranks", file=str(folder / beyond[0]))
+    names = []
+    for mp in range(mp_ranks):
+        candidates = (f"zero_pp_rank_0_mp_rank_{mp:02d}_model_states.pt", f"mp_rank_{mp:02d}_model_states.pt")
+        chosen = next((n for n in candidates if n in found), None)
+        if chosen is None:
+            raise MissingFileError(f"holds no model states of model-parallel rank {mp} ({candidates[1]}, or for "
+                                   f"ZeRO-3 {candidates[0]})", file=str(folder))
+        names.append(chosen)
+    return names
