@@ -1,6 +1,8 @@
 """Megatron-Core torch_dist: a checkpoint saved by the real megatron-core on 2 gloo ranks (tensor parallelism 2),
 opened through the DCP reader with metadata.json's backend and common.pt's state read by the safe unpickler;
-values against the tensors and objects the builder saved; CLI, viewer, damaged and hostile files.
+values against the tensors and objects the builder saved; CLI, viewer, damaged and hostile files. Then a real
+GPTModel saved on 4 ranks as TP=2 x DP=2 (fully parallel and main-replica saves), read as logical tensors
+bit-exact against the live ranks' shards, each chunk naming the rank that wrote it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from tensormorph.errors import HeaderError, MissingFileError, UnsafePickleError,
 from tensormorph.formats import dcp
 from tensormorph.server import create_app
 
-pytestmark = pytest.mark.timeout(240)  # the first run saves the fixture on 2 gloo ranks (about 20 s)
+pytestmark = pytest.mark.timeout(240)  # the first run saves the fixtures on 2 and 4 gloo ranks (about 20 + 45 s)
 
 QKV = "decoder.layers.self_attention.linear_qkv.weight"
 PROJ = "decoder.layers.self_attention.linear_proj.weight"
@@ -254,3 +256,81 @@ def test_viewer(ckpt: Path, truth: dict[str, np.ndarray]) -> None:
         assert info["ranks"] == [0, 1] and info["split"] == "4 chunks, ranks 0-1" and info["encoding"] is None
         stats = client.get("/api/checkpoints/a/stats", params={"name": EMBED, "rank": "1"}).json()
         assert stats["max"] == float(truth[EMBED][8:].max())
+
+
+# ---------------------------------------------------------------------------
+# TP=2 x DP=2: a real GPTModel on 4 ranks
+# ---------------------------------------------------------------------------
+
+FULLY_PARALLEL, MAIN_REPLICAS = megatron_builders.FULLY_PARALLEL, megatron_builders.MAIN_REPLICAS
+GPT_QKV = "decoder.layers.self_attention.linear_qkv.weight"  # column-parallel: rows split over TP
+GPT_PROJ = "decoder.layers.self_attention.linear_proj.weight"  # row-parallel: columns split over TP
+GPT_LN = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"  # replicated over TP and DP
+
+
+@pytest.fixture(scope="module")
+def tp_dp() -> Path:
+    return cached_build("megatron-tp-dp", megatron_builders, megatron_builders.build_tp_dp)
+
+
+@pytest.fixture(scope="module")
+def tp_dp_truth(tp_dp: Path) -> dict[str, np.ndarray]:
+    return safetensors.numpy.load_file(str(tp_dp / megatron_builders.TP_DP_TRUTH))
+
+
+@pytest.fixture(scope="module")
+def tp_dp_writers(tp_dp: Path) -> dict[str, dict[str, list[Any]]]:
+    return json.loads((tp_dp / megatron_builders.TP_DP_WRITERS).read_text())
+
+
+@pytest.mark.parametrize("save", [FULLY_PARALLEL, MAIN_REPLICAS])
+def test_tp_dp_tensors_are_logical_and_bit_exact(tp_dp: Path, tp_dp_truth: dict[str, np.ndarray],
+                                                 tp_dp_writers: dict[str, Any], save: str) -> None:
+    writers = tp_dp_writers[save]
+    with tm.open(tp_dp / save) as ck:
+        assert ck.format == "megatron-torch-dist" and sorted(ck) == sorted(tp_dp_truth) == sorted(writers)
+        for name, expected in tp_dp_truth.items():
+            got = ck[name].full()
+            assert (got.dtype, got.shape) == (expected.dtype, expected.shape), name
+            assert got.tobytes() == expected.tobytes(), name  # bit-exact, bf16 included
+            assert sorted([list(c.offsets), list(c.shape), *c.ranks] for c in ck[name].chunks) == writers[name], name
+        assert {ck[name].dtype for name in ck} == {"BF16", "F32"}  # bf16 linear weights, fp32 norms
+        ranks = sorted({rank for chunks in writers.values() for *_, rank in chunks})
+        assert ck.files == tuple(f"__{rank}_{thread}.distcp" for rank in ranks for thread in (0, 1))
+    # the fully parallel save spreads the writes over the data-parallel replicas; the plain one leaves them to dp 0
+    assert ranks == ([0, 1, 2, 3] if save == FULLY_PARALLEL else [0, 1])
+
+
+def test_tp_dp_chunks_follow_megatrons_splits(tp_dp: Path) -> None:
+    with tm.open(tp_dp / FULLY_PARALLEL) as ck:
+        assert (ck[GPT_QKV].shape, ck[GPT_PROJ].shape, ck[EMBED].shape) == ((2, 48, 16), (2, 16, 16), (64, 16))
+        qkv = sorted((c.offsets, c.shape) for c in ck[GPT_QKV].chunks)
+        assert qkv == [((layer, row, 0), (1, 24, 16)) for layer in (0, 1) for row in (0, 24)]
+        proj = sorted((c.offsets, c.shape) for c in ck[GPT_PROJ].chunks)
+        assert proj == [((layer, 0, column), (1, 16, 8)) for layer in (0, 1) for column in (0, 8)]
+        assert sorted((c.offsets, c.shape) for c in ck[GPT_LN].chunks) == [((0, 0), (1, 16)), ((1, 0), (1, 16))]
+        # a TP shard is written by a rank of its own tensor-parallel index (rank r is tp r % 2, dp r // 2)
+        for name, axis, size in ((GPT_QKV, 1, 24), (GPT_PROJ, 2, 8), (EMBED, 0, 32)):
+            for chunk in ck[name].chunks:
+                assert chunk.ranks[0] % megatron_builders.TP == chunk.offsets[axis] // size, (name, chunk.offsets)
+
+
+def test_tp_dp_region_local_and_objects(tp_dp: Path, tp_dp_truth: dict[str, np.ndarray],
+                                        tp_dp_writers: dict[str, Any]) -> None:
+    with tm.open(tp_dp / FULLY_PARALLEL) as ck:
+        np.testing.assert_array_equal(ck[GPT_QKV][:, 20:28, ::5], tp_dp_truth[GPT_QKV][:, 20:28, ::5])
+        np.testing.assert_array_equal(ck[GPT_PROJ][1, 3:5, 6:10], tp_dp_truth[GPT_PROJ][1, 3:5, 6:10])
+        for offsets, shape, rank in tp_dp_writers[FULLY_PARALLEL][EMBED]:
+            np.testing.assert_array_equal(ck[EMBED].local(rank), tp_dp_truth[EMBED][offsets[0]:offsets[0] + shape[0]])
+        values = {name: entry.value() for name, entry in ck.objects.items()}
+    assert values.pop("iteration") == megatron_builders.TP_DP_ITERATION and values.pop("checkpoint_version") == 3.0
+    extra = {f"decoder.layers.{m}._extra_state/shard_{layer}_2": None for layer in (0, 1)
+             for m in ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")}
+    assert values == extra  # the local spec's modules keep no extra state
+
+
+def test_tp_dp_saves_diff_equal(tp_dp: Path) -> None:
+    report = tm.diff(tp_dp / FULLY_PARALLEL, tp_dp / MAIN_REPLICAS)
+    assert report.identical and len(report.tensors) == 17, report.to_dict()
+    report = tm.diff(tp_dp / FULLY_PARALLEL, tp_dp / megatron_builders.TP_DP_TRUTH, objects=False)
+    assert report.identical and len(report.tensors) == 17, report.to_dict()

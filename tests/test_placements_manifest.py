@@ -260,3 +260,42 @@ def test_partial_manifest_mutations_raise_only_checkpoint_errors(partial_folder,
         checked_chunks("w", manifest.tensors["w"], "manifest.json", lambda _: LayoutOnly())
     except CheckpointError:
         pass
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_the_viewer_shows_the_reduction_and_tiles_the_reduced_value(tmp_path, exact):
+    from starlette.testclient import TestClient
+    from test_server import api, check_against_reference, ok_json, ok_tile
+    from test_tiles import view_of
+
+    from tensormorph.server import create_app
+
+    values = partial_checkpoint(tmp_path / "ck", "max", 3)
+    expected = np.maximum(np.maximum(values[0], values[1]), values[2])
+    with TestClient(create_app([tmp_path / "ck"], cache_dir=tmp_path / "cache")) as client:
+        info = ok_json(api(client, "/api/checkpoints/a/tensor", name="w"))
+        assert info["reduction"] == {"op": "max", "contributions": 3, "mesh_dims": [0]}
+        assert [c["contribution"] for c in info["chunks"]] == [0, 1, 2] and info["ranks"] == [0, 1, 2]
+        assert info["split"].endswith("Partial(max) over mesh dim 0: 3 contributions")
+        region = (0, 6, 0, 5, 3, 2)
+        header, fields = ok_tile(api(client, "/api/checkpoints/a/tile", name="w", r0=0, r1=6, c0=0, c1=5, h=3, w=2,
+                                     exact=int(exact)))
+        check_against_reference(header, fields, view_of(expected), region, exact)
+        # local(1) is rank 1's contribution as stored
+        header, fields = ok_tile(api(client, "/api/checkpoints/a/tile", name="w", r0=0, r1=6, c0=0, c1=5, h=6, w=5,
+                                     exact=1, rank=1))
+        check_against_reference(header, fields, view_of(values[1]), (0, 6, 0, 5, 6, 5), True)
+
+
+def test_inspect_says_how_a_partial_tensor_is_stored(tmp_path):
+    from click.testing import CliRunner
+
+    from tensormorph.cli import main
+
+    partial_checkpoint(tmp_path / "ck", "avg", 2)
+    shown = CliRunner().invoke(main, ["inspect", str(tmp_path / "ck"), "--chunks", "--no-tree"])
+    assert shown.exit_code == 0, shown.output
+    assert "Partial(avg) over mesh dim 0: 2 contributions" in shown.output
+    assert "ranks [0] contribution 0" in shown.output and "ranks [1] contribution 1" in shown.output
+    as_json = json.loads(CliRunner().invoke(main, ["inspect", str(tmp_path / "ck"), "--json"]).output)
+    assert as_json["tensors"][0]["reduction"] == {"op": "avg", "contributions": 2, "mesh_dims": [0]}
