@@ -71,17 +71,22 @@ def test_every_tensor_bit_exact_against_the_live_ranks(built: Path, config: str)
         averaged = [p for p, kind in split.items() if kind == "avg"]
         per_rank = {n for n in shards if any(re.fullmatch(rf"mp_rank_0\d\.(module\.|optimizer\.state\.)?{re.escape(p)}"
                                                           rf"(\.exp_avg|\.exp_avg_sq)?", n) for p in averaged)}
-        for name in per_rank:
-            assert same(ck[name].full(), shards[name]), name
+        means = {n.split(".", 1)[1] for n in per_rank}
+        for name in means:  # Partial(avg): the mean of the two copies, as DeepSpeed's universal checkpoint takes it
+            copies = [shards[f"mp_rank_0{m}.{name}"] for m in range(2)]
+            assert same(ck[name].full(), (copies[0] + copies[1]) / np.float32(2)), name
+            assert ck[name].reduction is not None and ck[name].placement.placements[0] == "Partial(avg)"
+            for chunk in ck[name].chunks:  # contribution m: model-parallel rank m's copy, held by its ranks
+                box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))
+                assert same(chunk.read(), copies[chunk.contribution][box]), name
+                assert all(r % 2 == chunk.contribution for r in chunk.ranks), name
         steps = {f"optimizer.state.{p}.step" for p in split}
-        assert set(ck) == set(live) | per_rank | steps
+        assert set(ck) == set(live) | means | steps
         for name in steps:
             assert ck[name].full() == np.float32(deepspeed_builders.STEPS)
         assert {k: ck.metadata[k] for k in ("zero_stage", "dp_world_size", "mp_world_size", "tp_layout")} == {
             "zero_stage": stage, "dp_world_size": 2, "mp_world_size": 2, "tp_layout": "universal_checkpoint_info"}
-        assert ck.metadata["tp_unmerged"] == dict.fromkeys(averaged, (
-            "listed in parameter_to_average_patterns: its value is the mean of the model-parallel ranks' copies, "
-            "which no file holds"))
+        assert ck.metadata["tp_unmerged"] == {}
         assert ck.metadata["rank_order"] == "global rank = dp_rank * mp_world_size + mp_rank"
         assert {int(r): tuple(c) for r, c in info(built, config)["coordinates"].items()} == {
             r: (r // 2, r % 2) for r in range(4)}  # the live ranks' (dp, tp) coordinates follow that order
@@ -134,7 +139,7 @@ def test_local_is_what_each_live_rank_held(built: Path, config: str) -> None:
     with tm.open(built / config / "ckpt") as ck:
         for key, value in held.items():
             rank, param = int(key.split(".", 1)[0]), key.split(".", 1)[1]
-            name = f"mp_rank_{rank % 2:02d}.{param}" if split[param] == "avg" else param
+            name = param  # an averaged parameter: local(rank) is that rank's contribution
             if split[param] == "rep" and rank % 2:
                 with pytest.raises(CheckpointError, match="holds no stored chunk"):
                     ck[name].local(rank)

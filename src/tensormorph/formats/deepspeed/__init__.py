@@ -34,7 +34,8 @@ are one logical tensor, joined as DeepSpeed's own ds_to_universal joins them (`s
 row-parallel on dim 1, otherwise dim 0, vocabulary padding cut); placement mesh(mp, dp) [Shard(1), ZeRO-2 flat
 partition] and the like. Replicated tensors, and tensors the info does not describe (buffers, step counters),
 are read from model-parallel rank 0 (metadata["tp_replicated"]); verify compares the other ranks' copies with
-it. What DeepSpeed averages, and sub-parameter layouts, are listed per rank as `mp_rank_XX.<name>`
+it. What DeepSpeed averages is one Partial(avg) tensor, each model-parallel rank's copy a contribution
+(the mean, as ds_to_universal takes it). Sub-parameter layouts are listed per rank as `mp_rank_XX.<name>`
 (metadata["tp_unmerged"] says why). Without the info (a plain run with an mpu) the split is unrecorded, so
 every tensor is listed per rank as `mp_rank_XX.<name>` (metadata["tp_layout"] says so): guessing a dimension
 would be a silent wrong merge. Objects are model-parallel rank 0's; pipeline parallelism is refused.

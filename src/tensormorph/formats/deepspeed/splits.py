@@ -6,11 +6,12 @@ The rules are DeepSpeed's own (deepspeed/checkpoint/ds_to_universal.py, merge_tp
    box of its shard is (only unscaled pieces that are boxes on both sides are read here);
 2. `autotp_unsupported_parameter_patterns`: DeepSpeed itself cannot rebuild it;
 3. `tp_replicated_parameter_patterns`: every rank holds it whole; model-parallel rank 0's copy is read;
-4. `parameter_to_average_patterns`: the logical value is the mean of the ranks' copies, held by no file;
+4. `parameter_to_average_patterns`: the logical value is the mean of the ranks' copies: a Partial(avg) tensor,
+   one contribution per model-parallel rank;
 5. sub-parameter layouts (`parameter_with_2_sub_params_cat_dim_0`, `parameter_with_sub_params`);
 6. `parameter_with_row_parallelism_patterns`: shards concatenated along dim 1; anything else along dim 0;
 then `vocabulary_parameter_patterns`: the concatenation cut to `original_vocab_size` rows.
-Patterns are matched with `re.match`, as DeepSpeed does. Cases 2, 4 and 5 are not rebuilt (`Unmerged`).
+Patterns are matched with `re.match`, as DeepSpeed does. Cases 2 and 5 are not rebuilt (`Unmerged`).
 """
 
 from __future__ import annotations
@@ -159,8 +160,8 @@ class Rules:
             _check_equal_except(shapes, None, name, paths)
             return self._vocabulary(name, replicated(shapes[0], len(shapes)))
         if self._matched(self.lists[AVERAGED], name, AVERAGED):
-            return Unmerged("listed in parameter_to_average_patterns: its value is the mean of the model-parallel "
-                            "ranks' copies, which no file holds")
+            _check_equal_except(shapes, None, name, paths)
+            return averaged(shapes[0], len(shapes))
         if self._matched(self.lists[TWO_SUB_PARAMS], name, TWO_SUB_PARAMS) or self.sub_params.matches(name):
             return Unmerged("a sub-parameter layout (fused parameters split per sub-parameter), which this reader "
                             "does not rebuild")
@@ -191,6 +192,13 @@ class Rules:
 def replicated(shape: tuple[int, ...], ranks: int) -> Split:
     """Every rank holds the whole tensor: model-parallel rank 0's copy is read."""
     return Split("Replicate()", shape, ((Block((0,) * len(shape), (0,) * len(shape), shape),),) + ((),) * (ranks - 1))
+
+
+def averaged(shape: tuple[int, ...], ranks: int) -> Split:
+    """Every rank holds a copy and the value is their mean (DeepSpeed's universal checkpoint averages them):
+    each copy is one contribution of a Partial(avg) tensor."""
+    return Split("Partial(avg)", shape, tuple((Block((0,) * len(shape), (0,) * len(shape), shape),)
+                                              for _ in range(ranks)))
 
 
 def concatenated(shapes: list[tuple[int, ...]], dim: int, name: str, paths: list[str]) -> Split:

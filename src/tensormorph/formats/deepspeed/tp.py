@@ -21,6 +21,7 @@ import numpy as np
 from ...core import Chunk, LogicalTensor, MappedArray, Placement
 from ...errors import CheckpointError, HeaderError
 from ...geometry import intersect
+from ...reduction import Reduction
 from ...storage import ByteStore
 from ...tiling import validate_tiling
 from .names import MODULE_PREFIX, STATE_PREFIX
@@ -135,21 +136,24 @@ def _check_same_shape(held: list[LogicalTensor], name: str, paths: list[str]) ->
 
 def _merged(name: str, split: Split, held: list[LogicalTensor], mp_ranks: int) -> LogicalTensor:
     """The logical tensor: each rank's chunks placed by its blocks."""
-    chunks = []
-    for tensor, blocks in zip(held, split.blocks):
+    partial = split.placement == "Partial(avg)"  # each rank's copy is a contribution
+    chunks: list[list[Chunk]] = [[] for _ in held] if partial else [[]]
+    for mp, (tensor, blocks) in enumerate(zip(held, split.blocks)):
         for block in blocks:
             for chunk in tensor.chunks:
                 hit = intersect((chunk.offsets, chunk.shape), (block.shard, block.shape))
                 if hit is not None:
-                    chunks.append(_placed(chunk, hit, block, name))
+                    placed = _placed(chunk, hit, block, name)
+                    chunks[mp if partial else 0].append(replace(placed, contribution=mp) if partial else placed)
     inner = held[0].placement
     if inner is None:  # the module's own weights: written whole by each model-parallel rank
         placement = Placement((mp_ranks,), (split.placement,), ("mp",))
     else:
         placement = Placement((mp_ranks, *inner.mesh_shape), (split.placement, *inner.placements),
                               ("mp", *(inner.mesh_dim_names or ())))
-    return LogicalTensor(name, held[0].dtype, split.shape, tuple(validate_tiling(name, split.shape, chunks)),
-                         placement)
+    tiled = tuple(c for group in chunks for c in validate_tiling(name, split.shape, group))
+    return LogicalTensor(name, held[0].dtype, split.shape, tiled, placement,
+                         reduction=Reduction("avg", mp_ranks) if partial else None)
 
 
 def _placed(chunk: Chunk, hit: tuple[tuple[int, ...], tuple[int, ...]], block: Block, name: str) -> Chunk:
