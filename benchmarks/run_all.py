@@ -27,6 +27,7 @@ BENCHMARKS = [
     ("bench_viewer", "viewer"),
     ("bench_save_load", "save_load"),
     ("bench_reshard", "reshard"),
+    ("bench_placements", "placements"),
     ("bench_redundancy", "redundancy"),
     ("bench_train_async", "train_async"),
     ("bench_plan", "plan"),

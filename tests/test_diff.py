@@ -542,3 +542,27 @@ def test_figures_equal_whole_array_numpy_for_any_chunking(case):
 @given(cases(specials=True))
 def test_figures_with_nan_and_inf_for_any_chunking(case):
     check_case(case)
+
+
+def test_plain_values_nested_differently_by_two_formats_diff_equal(tmp_path):
+    """DCP names every leaf of an optimizer's param_groups; the Tensormorph format keeps the list whole."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    def state(lr: float) -> dict:
+        return {"w": torch.arange(6.0).reshape(2, 3),
+                "optim": {"param_groups": [{"lr": lr, "betas": (0.9, 0.95), "params": ["w"]}], "step": 7}}
+
+    tm.save(state(0.1), tmp_path / "tm")
+    dcp.save(state(0.1), checkpoint_id=str(tmp_path / "dcp"))
+    dcp.save(state(0.2), checkpoint_id=str(tmp_path / "dcp-other"))
+    assert "optim" in tm.open(tmp_path / "tm").objects  # no tensor inside: kept whole
+    assert "optim.param_groups.0.lr" in tm.open(tmp_path / "dcp").objects
+    same = tm.diff(tmp_path / "tm", tmp_path / "dcp")
+    assert same.identical, same.to_dict()
+    assert [(o.name, o.status) for o in same.objects] == [("optim", "equal")]
+    changed = tm.diff(tmp_path / "tm", tmp_path / "dcp-other")
+    assert [(o.name, o.status) for o in changed.objects] == [("optim", "different")]
+    assert changed.objects[0].detail == "param_groups.0.lr: 0.1 != 0.2"
+    reverse = tm.diff(tmp_path / "dcp-other", tmp_path / "tm")  # leaves on side a, the whole value on side b
+    assert [(o.name, o.status) for o in reverse.objects] == [("optim", "different")]

@@ -26,6 +26,7 @@ from ..core import Checkpoint, LogicalTensor
 from ..errors import CheckpointError
 from ..formats import opened
 from ..geometry import split_box
+from .object_diff import ObjectDiff, compare_objects
 from .stats import check_scannable
 
 DEFAULT_BLOCK_BYTES = 64 * 1024**2
@@ -57,13 +58,6 @@ class TensorDiff:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass(frozen=True)
-class ObjectDiff:
-    name: str
-    status: str  # equal, different, only_a, only_b, undecodable
-    detail: str = ""
 
 
 @dataclass
@@ -189,7 +183,9 @@ def _diff(ck_a: Checkpoint, ck_b: Checkpoint, rules: list[NameRule], *, atol: fl
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         report.tensors = list(pool.map(compare, wanted))
     report.tensors.sort(key=_severity)
-    report.objects = _compare_objects(ck_a, ck_b, rules) if objects and names is None else []
+    if objects and names is None:
+        report.objects = compare_objects(ck_a, ck_b, aligned_names(list(ck_a.objects), rules, "a"),
+                                         aligned_names(list(ck_b.objects), rules, "b"))
     return report
 
 
@@ -425,43 +421,3 @@ def _as_float64(values: np.ndarray) -> np.ndarray:
     if np.issubdtype(values.dtype, np.complexfloating):
         raise CheckpointError("complex tensors are not compared yet")
     return values.astype(np.float64)
-
-
-def _compare_objects(a: Checkpoint, b: Checkpoint, rules: Sequence[NameRule]) -> list[ObjectDiff]:
-    map_a, map_b = aligned_names(list(a.objects), rules, "a"), aligned_names(list(b.objects), rules, "b")
-    results = []
-    for name in dict.fromkeys([*map_a, *map_b]):
-        if name not in map_b:
-            results.append(ObjectDiff(name, "only_a"))
-        elif name not in map_a:
-            results.append(ObjectDiff(name, "only_b"))
-        else:
-            try:
-                value_a, value_b = a.objects[map_a[name]].value(), b.objects[map_b[name]].value()
-            except CheckpointError as exc:
-                results.append(ObjectDiff(name, "undecodable", str(exc)))
-                continue
-            equal = _plain_equal(value_a, value_b)
-            results.append(ObjectDiff(name, "equal" if equal else "different",
-                                      "" if equal else f"{_short(value_a)} != {_short(value_b)}"))
-    return results
-
-
-def _plain_equal(x: Any, y: Any) -> bool:
-    """Equality where a tuple equals a list with the same items (formats differ in which they keep)."""
-    if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
-        return len(x) == len(y) and all(_plain_equal(p, q) for p, q in zip(x, y))
-    if isinstance(x, dict) and isinstance(y, dict):
-        return x.keys() == y.keys() and all(_plain_equal(x[k], y[k]) for k in x)
-    if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
-        return True
-    if isinstance(x, bool) or isinstance(y, bool):
-        return type(x) is type(y) and x == y
-    if isinstance(x, (int, float)) and isinstance(y, (int, float)):
-        return x == y
-    return type(x) is type(y) and x == y
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
