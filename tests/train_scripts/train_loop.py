@@ -94,6 +94,9 @@ def main() -> None:
     p.add_argument("--scaler", action="store_true")
     p.add_argument("--preempt", action="store_true")
     p.add_argument("--dump-resumed", action="store_true", help="save the state right after resume, then go on")
+    p.add_argument("--memory-every", type=int, default=None, help="memory-tier snapshots every N steps")
+    p.add_argument("--disk-every", type=int, default=1, help="disk checkpoints at every N-th save step")
+    p.add_argument("--node", default=None, help="this rank's node name (for the memory tier)")
     args = p.parse_args()
 
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -123,7 +126,8 @@ def main() -> None:
         loader = StatefulDataLoader(data, batch_size=args.batch, shuffle=True, num_workers=args.workers,
                                     persistent_workers=args.persistent)
 
-    ckpt = Checkpointer(args.root, keep=3, async_save=not args.sync)
+    ckpt = Checkpointer(args.root, keep=3, async_save=not args.sync, memory_every=args.memory_every,
+                        disk_every=args.disk_every, node=args.node)
     if args.preempt:
         ckpt.save_on_signal()
     state = dict(model=model, optimizer=opt, scheduler=sched, scaler=scaler, dataloader=loader)
@@ -136,6 +140,7 @@ def main() -> None:
                 out / f"resumed-{args.tag}", overwrite=True)
     if rank == 0:
         print(f"RESUMED {start}", flush=True)
+        print(f"RESUMED-FROM {ckpt.resumed_from} {json.dumps(ckpt.resume_notes)}", flush=True)
 
     def batches():
         while True:

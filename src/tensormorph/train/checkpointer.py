@@ -36,6 +36,7 @@ from ..errors import CheckpointError
 from ..storage import AnyPath
 from ..tmformat.manifest import encode_value
 from .manager import TRAIN_KEY, CheckpointInfo, CheckpointManager
+from .memory import MemoryTier
 from .preemption import Preemption
 from .resume import Resumer
 from .staging import DeferredCopy, SaveTiming, Staging
@@ -60,12 +61,22 @@ class Checkpointer:
     """
 
     def __init__(self, root: str | os.PathLike, *, keep: int | None = None, async_save: bool = False,
-                 redundancy: str | None = None, storage_options: dict[str, Any] | None = None) -> None:
+                 redundancy: str | None = None, storage_options: dict[str, Any] | None = None,
+                 memory_every: int | None = None, disk_every: int = 1, memory_keep: int = 2,
+                 memory_dir: str | os.PathLike | None = None, node: str | None = None,
+                 release_memory_on_close: bool = True) -> None:
+        if disk_every < 1 or (memory_every is not None and memory_every < 1):
+            raise ValueError(f"memory_every and disk_every count steps: at least 1, got {memory_every} and "
+                             f"{disk_every}")
         self._manager = CheckpointManager(root, keep, storage_options)
         self.storage_options = storage_options
         self.async_save = async_save
         self.redundancy = redundancy
+        self.memory_every, self.disk_every = memory_every, disk_every
+        self.release_memory_on_close = release_memory_on_close
         self.extra: Any = None
+        self.resumed_from: str | None = None  # "memory" or "disk" after a resume; None for a fresh start
+        self.resume_notes: list[str] = []  # newer steps a resume passed over, and why
         self.timings: list[SaveTiming] = []
         distributed = dist.is_available() and dist.is_initialized()
         # gloo groups of their own: the background save's collectives never meet the training's, nor the
@@ -73,7 +84,9 @@ class Checkpointer:
         self._save = Collective(dist.new_group(backend="gloo") if distributed else None)
         self._control = Collective(dist.new_group(backend="gloo") if distributed else None)
         self._staging = Staging()
-        self._resumer = Resumer(self._manager, self._control, storage_options)
+        self._memory = MemoryTier(self.root, self._control.rank, keep=memory_keep, memory_dir=memory_dir, node=node) \
+            if memory_every is not None else None
+        self._resumer = Resumer(self._manager, self._control, storage_options, self._memory)
         self._preemption = Preemption(self._control)
         self._closed = False
         self._control.barrier()
@@ -125,12 +138,18 @@ class Checkpointer:
         started = time.perf_counter()
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; make a new one to save again", file=str(self.root))
+        path = self._manager.path(step)
+        tiers = tuple(tier for tier, every in (("memory", self.memory_every), ("disk", self.disk_every))
+                      if every is not None and step % every == 0)
+        timing = SaveTiming(step, path, tiers=tiers)
+        if not tiers and not self._preemption.stopping:
+            return timing  # no tier is due at this step
+        if not tiers:
+            tiers = timing.tiers = ("disk",)  # the last save before a stop goes to disk
         self.wait()
         state, meta = self._collect(step, model, optimizer, scheduler, scaler, dataloader, extra)
         # what a checkpoint cannot hold is refused here, naming the entry, before anything is written
         walk(state, lambda name, tensor: tensor, lambda name, value: encode_value(value, name))
-        path = self._manager.path(step)
-        timing = SaveTiming(step, path)
         self.timings.append(timing)
         if self.async_save:
             staged, deferred = self._staging.stage(state, model, optimizers(optimizer))
@@ -171,11 +190,16 @@ class Checkpointer:
 
     def _write(self, state: dict[str, Any], path: AnyPath, meta: dict[str, Any], timing: SaveTiming,
                started: float) -> None:
-        tm_save(state, path if isinstance(path, Path) else str(path), process_group=self._save.group,
-                overwrite=True, extra=meta, redundancy=self.redundancy, storage_options=self.storage_options)
+        """Each tier due: this rank's memory snapshot first (no collective), then the disk checkpoint."""
+        if "memory" in timing.tiers and self._memory is not None:
+            self._memory.save(timing.step, state, meta)
+            timing.memory_s = time.perf_counter() - started
+        if "disk" in timing.tiers:
+            tm_save(state, path if isinstance(path, Path) else str(path), process_group=self._save.group,
+                    overwrite=True, extra=meta, redundancy=self.redundancy, storage_options=self.storage_options)
+            if self._save.rank == 0:
+                self._manager.retain()
         timing.durable_s = time.perf_counter() - started
-        if self._save.rank == 0:
-            self._manager.retain()
 
     def _write_in_background(self, state: dict[str, Any], deferred: Sequence[DeferredCopy], path: AnyPath,
                              meta: dict[str, Any], timing: SaveTiming, started: float) -> None:
@@ -199,13 +223,26 @@ class Checkpointer:
         self.wait()
         if dataloader is not None:
             self._preemption.guard_workers(dataloader)
-        path = self._resumer.choose(step)
-        if path is None:
-            self.extra = None
+        choice = self._resumer.choose(step)
+        if choice is None:
+            self.extra, self.resumed_from, self.resume_notes = None, None, []
             return 0
-        resumed, self.extra = self._resumer.restore(path, model=model, optimizer=optimizer, scheduler=scheduler,
-                                                    scaler=scaler, dataloader=dataloader, strict=strict)
+        used, resumed, self.extra = self._resumer.restore(choice, model=model, optimizer=optimizer,
+                                                          scheduler=scheduler, scaler=scaler, dataloader=dataloader,
+                                                          strict=strict)
+        self.resumed_from, self.resume_notes = used.tier, used.rejected
         return resumed
+
+    # ---- tiers ----------------------------------------------------------------------------------------
+
+    @property
+    def memory_bytes(self) -> int:
+        """Shared memory this rank's snapshots take (0 without a memory tier)."""
+        return self._memory.nbytes() if self._memory is not None else 0
+
+    def memory_steps(self) -> tuple[int, ...]:
+        """The steps of this rank's memory snapshots, oldest first (no collective)."""
+        return tuple(s.step for s in self._memory.snapshots()) if self._memory is not None else ()
 
     # ---- preemption -----------------------------------------------------------------------------------
 
@@ -224,6 +261,12 @@ class Checkpointer:
         """Wait for the save in flight, unhook the optimizers and release the process groups."""
         self.wait()
         self._staging.close()
+        if self._memory is not None:
+            if self.release_memory_on_close:  # a finished run gives its shared memory back
+                self._control.barrier()  # no rank releases while another may still resume from it
+                self._memory.release()
+            else:
+                self._memory.close()
         for collective in (self._save, self._control):
             if collective.distributed:
                 dist.destroy_process_group(collective.group)

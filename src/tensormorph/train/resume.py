@@ -8,7 +8,7 @@ is touched for them); a rank uses its own, and another world size uses every ran
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +18,27 @@ from torch.utils.data import DataLoader
 from ..distributed import load as tm_load
 from ..distributed.collective import Collective
 from ..errors import CheckpointError
-from ..storage import AnyPath, as_path, store_at
+from ..storage import AnyPath, LocalFiles, as_path, store_at
 from ..tmformat.checkpoint import read_manifest
 from . import rng
 from .manager import TRAIN_KEY, CheckpointManager
+from .memory import MemoryTier
 from .plain import from_plain, to_plain
 from .state import component_states, generator_state, loader_parts, optimizers
 
-__all__ = ["Resumer"]
+__all__ = ["Choice", "Resumer"]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Where a resume reads from: the tier ("memory" or "disk"), the step, the snapshot or checkpoint, the newer
+    steps passed over and why, and the disk checkpoint to use when a memory snapshot fails on any rank."""
+
+    tier: str
+    step: int
+    path: AnyPath
+    rejected: list[str] = field(default_factory=list)
+    fallback: Choice | None = None
 
 
 @dataclass
@@ -41,43 +54,96 @@ class Resumer:
     for the data loader's first index is held here meanwhile: it is the state a save in between captures."""
 
     def __init__(self, manager: CheckpointManager, control: Collective,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, memory: MemoryTier | None = None) -> None:
         self._manager = manager
+        self._memory = memory
         self._control = control
         self._storage_options = storage_options
         self._pending: _Generators | None = None
         self._pending_data: tuple[Any, dict[str, Any]] | None = None  # a StatefulDataLoader's, until it iterates
 
-    def choose(self, step: int | None) -> AnyPath | None:
-        """The checkpoint to resume: the newest, or the newest of `step`; None when there is none.
-        Rank 0 lists the checkpoints for all ranks (collective)."""
+    def choose(self, step: int | None) -> Choice | None:
+        """What to resume: the newest step, or `step`, on the fastest tier that holds it complete (a memory
+        snapshot counts only when every rank has one of that step); None when there is nothing. Collective."""
         found = self._control.decide(lambda: [(i.step, str(i.path)) for i in self._manager.list()],
                                      "cannot list the checkpoints", self._manager.root)
+        snapshots = {s.step: s.path for s in self._memory.snapshots()} if self._memory is not None else {}
+        everyone = self._control.gather(sorted(snapshots)) if self._memory is not None else []
+        complete = set.intersection(*map(set, everyone)) if everyone else set()
         if step is not None:
             found = [f for f in found if f[0] == step]
-            if not found:
+            complete &= {step}
+            if not found and not complete:
                 raise CheckpointError(f"has no committed checkpoint of step {step}", file=str(self._manager.root))
-        return as_path(found[-1][1], self._storage_options, cache=False) if found else None
+        newest_disk = found[-1] if found else None
+        rejected = [f"step {s} is in memory on ranks {[r for r, steps in enumerate(everyone) if s in steps]} only"
+                    for s in sorted({s for steps in everyone for s in steps} - complete, reverse=True)
+                    if s > max(complete, default=-1) and (step is None or s == step)]
+        disk = None if newest_disk is None else Choice(
+            "disk", newest_disk[0], as_path(newest_disk[1], self._storage_options, cache=False), rejected)
+        if complete and (newest_disk is None or max(complete) >= newest_disk[0]):
+            newest = max(complete)
+            return Choice("memory", newest, snapshots[newest], rejected, fallback=disk)
+        return disk
 
-    def restore(self, path: AnyPath, *, model: Any, optimizer: Any, scheduler: Any, scaler: Any, dataloader: Any,
-                strict: bool) -> tuple[int, Any]:
-        """Load the checkpoint at `path` into what is given (collective); its step and its `extra`."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-        manifest = read_manifest(store_at(path), str(path))
-        meta = manifest.extra[TRAIN_KEY]
+    def restore(self, choice: Choice, *, model: Any, optimizer: Any, scheduler: Any, scaler: Any, dataloader: Any,
+                strict: bool) -> tuple[Choice, int, Any]:
+        """Load what `choice` names into what is given (collective): a memory snapshot, or when any rank cannot
+        (damaged, another layout), the disk checkpoint; what was used, its step and its `extra`."""
         given = optimizers(optimizer)
-        target: dict[str, Any] = {"step": None, **component_states(model, given, scheduler, scaler)}
-        if "extra" in manifest.objects:
-            target["extra"] = None
-        for name in manifest.objects:
-            if name.startswith(("rng.rank", "data.rank")):
-                target[name] = None
-        if dataloader is not None and not any(n.startswith("data.rank") for n in manifest.objects):
-            target["data.rank0"] = None  # reported as missing: the checkpoint holds no data position
+        if choice.tier == "memory":
+            assert self._memory is not None and isinstance(choice.path, Path)
+            snapshot, memory = choice.path, self._memory
+            target = self._target(model, given, scheduler, scaler, read_manifest(LocalFiles(snapshot),
+                                                                                 str(snapshot)).objects, dataloader)
+            world = self._control.world
 
+            def load_mine() -> dict[str, Any]:
+                meta = memory.load(snapshot, target)[TRAIN_KEY]
+                if meta["world_size"] != world:  # a snapshot holds one rank's share: only its own world resumes
+                    raise CheckpointError(f"it was saved on {meta['world_size']} ranks, this run has {world}")
+                return meta
+
+            outcomes = self._control.everyone(load_mine, label="memory snapshot: ")
+            failed = [o for o in outcomes if not o.ok]
+            if not failed:
+                for rank, position in enumerate(self._control.gather(target.get(f"data.rank{self._control.rank}"))):
+                    target[f"data.rank{rank}"] = position  # every rank's, as a disk checkpoint holds them
+                step, extra = self._apply(choice.path, outcomes[self._control.rank].unwrap(), target, model, given,
+                                          scheduler, scaler, dataloader)
+                return choice, step, extra
+            reason = f"rank {failed[0].rank}: {failed[0].error}"
+            if choice.fallback is None:
+                raise CheckpointError(f"cannot resume step {choice.step} from memory ({reason}), and no disk "
+                                      "checkpoint exists", file=str(self._manager.root))
+            choice = replace(choice.fallback, rejected=[*choice.rejected,
+                                                        f"step {choice.step} in memory: {reason}"])
+        path = choice.path
+        manifest = read_manifest(store_at(path), str(path))
+        target = self._target(model, given, scheduler, scaler, manifest.objects, dataloader)
         tm_load(path if isinstance(path, Path) else str(path), target, strict=strict,
                 storage_options=self._storage_options)
+        step, extra = self._apply(path, manifest.extra[TRAIN_KEY], target, model, given, scheduler, scaler, dataloader)
+        return choice, step, extra
+
+    @staticmethod
+    def _target(model: Any, given: tuple[Any, ...], scheduler: Any, scaler: Any, objects: Any,
+                dataloader: Any) -> dict[str, Any]:
+        """The state to fill: the components given, and the plain values the checkpoint holds for them."""
+        target: dict[str, Any] = {"step": None, **component_states(model, given, scheduler, scaler)}
+        if "extra" in objects:
+            target["extra"] = None
+        for name in objects:
+            if name.startswith(("rng.rank", "data.rank")):
+                target[name] = None
+        if dataloader is not None and not any(n.startswith("data.rank") for n in objects):
+            target["data.rank0"] = None  # reported as missing: the checkpoint holds no data position
+        return target
+
+    def _apply(self, path: AnyPath, meta: dict[str, Any], target: dict[str, Any], model: Any,
+               given: tuple[Any, ...], scheduler: Any, scaler: Any, dataloader: Any) -> tuple[int, Any]:
+        """Put the filled state into the components; the step and the saved `extra`."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         if model is not None:
             if given:

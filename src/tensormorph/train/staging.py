@@ -36,6 +36,8 @@ class SaveTiming:
     blocked_s: float = 0.0  # inside save() (waiting for the previous save, capturing), plus the optimizer
     # step's wait for the background copy
     durable_s: float | None = None  # from the call until the commit; None while in flight
+    tiers: tuple[str, ...] = ()  # where this save goes: "memory", "disk"
+    memory_s: float | None = None  # from the call until the memory snapshot was committed
 
 
 @dataclass

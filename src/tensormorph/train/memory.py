@@ -1,0 +1,233 @@
+"""The host-memory tier: each rank's own training state in node-local shared memory, outliving the process.
+
+A snapshot is a Tensormorph checkpoint written by one rank alone, of what that rank holds: its DTensors' local
+shards as plain tensors, its plain values, and their layouts (global shape, mesh, placements) in the manifest.
+It lives on tmpfs (`/dev/shm` by default: POSIX shared memory), under a name made from the run's root and the
+node, so a process that is SIGKILLed and restarted on the same node finds it, and nothing else does:
+
+    <memory_dir>/<run id>/<node>/rank-00003/step-00000120/   manifest.json, rank-00000.safetensors
+
+Writing takes no collective: each rank commits its own snapshot (the same atomic commit as a disk save) and a
+step is complete when every rank has committed it, which `Resumer` decides by asking every rank. A snapshot
+resumes only the same world size, mesh and placements; anything else resumes from disk. A lock file held
+while a Checkpointer lives tells `tensormorph tiers clean` that the run is alive.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import torch
+
+from .. import dtypes
+from ..distributed.state import dtensor_types, flatten, placement_text
+from ..errors import StateMismatchError
+from ..storage import AnyPath, LocalFiles
+from ..tmformat.checkpoint import read_manifest
+from ..tmformat.commit import remove_abandoned
+from ..tmformat.manifest import MANIFEST, decode_value, encode_value
+from ..tmformat.reader import BoxReader
+from ..tmformat.writer import Piece, SaveTransaction
+from ..torch_arrays import as_numpy, cpu_contiguous, to_torch, vocabulary
+
+__all__ = ["DEFAULT_MEMORY_DIR", "MemoryTier", "RankSnapshots", "node_name", "run_folder", "survey"]
+
+DEFAULT_MEMORY_DIR = "/dev/shm/tensormorph"
+NODE_VARIABLE = "TENSORMORPH_NODE"  # names this process's node (tests simulate several nodes on one machine)
+LAYOUT_KEY = "tensormorph.layout"  # in a snapshot's manifest: each DTensor's global shape, mesh and placements
+LOCK_FILE = ".alive"
+_STEP = re.compile(r"^step-(\d{8,})$")
+
+
+def node_name() -> str:
+    return os.environ.get(NODE_VARIABLE) or socket.gethostname()
+
+
+def run_folder(root: AnyPath, memory_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where the memory snapshots of the run under `root` live on this machine (every node of it)."""
+    text = str(root)
+    label = re.sub(r"[^A-Za-z0-9_.-]", "_", text.rstrip("/").rsplit("/", 1)[-1])[:40] or "run"
+    return Path(memory_dir or DEFAULT_MEMORY_DIR) / f"{label}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    step: int
+    path: Path
+
+
+class MemoryTier:
+    """This rank's snapshots: written, listed, loaded back and released."""
+
+    def __init__(self, root: AnyPath, rank: int, *, keep: int = 2, memory_dir: str | os.PathLike[str] | None = None,
+                 node: str | None = None) -> None:
+        if keep < 1:
+            raise ValueError(f"memory_keep must be at least 1, got {keep}")
+        self.keep = keep
+        self.node = node or node_name()
+        self.folder = run_folder(root, memory_dir) / self.node / f"rank-{rank:05d}"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        remove_abandoned(self.folder)  # a snapshot whose writer was killed mid-way
+        self._lock: IO[bytes] | None = open(self.folder / LOCK_FILE, "ab")  # noqa: SIM115 (held while alive)
+        fcntl.flock(self._lock.fileno(), fcntl.LOCK_SH)
+
+    def snapshots(self) -> list[Snapshot]:
+        """This rank's committed snapshots, oldest first."""
+        found = []
+        for child in self.folder.iterdir():
+            match = _STEP.match(child.name)
+            if match and (child / MANIFEST).is_file():
+                found.append(Snapshot(int(match.group(1)), child))
+        return sorted(found, key=lambda s: s.step)
+
+    def nbytes(self) -> int:
+        """Shared memory this rank's snapshots take."""
+        return sum(f.stat().st_size for s in self.snapshots() for f in s.path.iterdir() if f.is_file())
+
+    def save(self, step: int, state: dict[str, Any], extra: dict[str, Any]) -> Path:
+        """Write this rank's part of `state` (DTensors as their local shards) as the snapshot of `step`, then
+        release the snapshots beyond the `keep` newest."""
+        path = self.folder / f"step-{step:08d}"
+        leaves = flatten(state)
+        dtensor = dtensor_types()
+        layouts, pieces, data = {}, [], {}
+        for name, tensor in leaves.tensors.items():
+            local = tensor
+            if dtensor and isinstance(tensor, dtensor[0]):
+                local = tensor.to_local()
+                layouts[name] = _layout(tensor)
+            piece = Piece(name, vocabulary(local.dtype), tuple(local.shape), (0,) * local.dim(), tuple(local.shape), 0)
+            pieces.append(piece)
+            data[name] = local
+        save = SaveTransaction(path, overwrite=True, extra={**extra, LAYOUT_KEY: layouts})
+        save.plan(pieces)
+        save.join(save.prepare())
+        try:
+            objects = {name: encode_value(value, name) for name, value in leaves.objects.items()}
+            written = save.write_rank(0, [(p, _blocks(data[p.name], p.dtype)) for p in save.written_by(0, pieces)],
+                                      objects)
+            save.commit([written], [{}], {name: decode_value(v) for name, v in objects.items()})
+        except BaseException:
+            save.remove()
+            raise
+        for old in self.snapshots()[:-self.keep]:
+            shutil.rmtree(old.path, ignore_errors=True)
+        return path
+
+    def load(self, snapshot: Path, target: dict[str, Any]) -> dict[str, Any]:
+        """Fill `target` in place from a snapshot (its DTensors' local shards, checked against their saved
+        layout; every block checksum verified); returns the snapshot's `extra`."""
+        files = LocalFiles(snapshot)
+        manifest = read_manifest(files, str(snapshot))
+        layouts = manifest.extra.get(LAYOUT_KEY, {})
+        leaves = flatten(target)
+        dtensor = dtensor_types()
+        problems = [f"{name}: not in the snapshot" for name in leaves.tensors if name not in manifest.tensors]
+        problems += [f"{name}: not in the snapshot" for name in leaves.objects if name not in manifest.objects]
+        with BoxReader(manifest, files, str(snapshot)) as reader:
+            for name, tensor in leaves.tensors.items():
+                record = manifest.tensors.get(name)
+                if record is None:
+                    continue
+                local = tensor
+                if dtensor and isinstance(tensor, dtensor[0]):
+                    local = tensor.to_local()
+                    if layouts.get(name) != _layout(tensor):
+                        problems.append(f"{name}: laid out as {_layout(tensor)}, the snapshot as {layouts.get(name)}")
+                        continue
+                if (record.dtype, record.shape) != (vocabulary(local.dtype), tuple(local.shape)):
+                    problems.append(f"{name}: {record.dtype} {list(record.shape)} in the snapshot, "
+                                    f"{vocabulary(local.dtype)} {list(local.shape)} here")
+                    continue
+                _fill(reader, name, local, record.dtype)
+        if problems:
+            raise StateMismatchError(f"the memory snapshot does not fit this run: {'; '.join(problems[:5])}",
+                                     file=str(snapshot))
+        for name, (container, key) in leaves.slots.items():
+            container[key] = manifest.objects[name]
+        return manifest.extra
+
+    def release(self) -> None:
+        """Delete every snapshot of this rank (a finished run's memory goes back to the system)."""
+        self.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+        for empty in (self.folder.parent, self.folder.parent.parent):  # the node's and the run's, once unused
+            try:
+                empty.rmdir()
+            except OSError:
+                break
+
+    def close(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+
+def _layout(tensor: Any) -> dict[str, Any]:
+    mesh = tensor.device_mesh
+    return {"shape": list(tensor.shape), "mesh": list(mesh.shape),
+            "placements": [placement_text(p) for p in tensor.placements]}
+
+
+def _blocks(tensor: torch.Tensor, dtype: str) -> Any:
+    def blocks() -> Any:
+        yield as_numpy(cpu_contiguous(tensor), dtype).reshape(-1)
+    return blocks
+
+
+def _fill(reader: BoxReader, name: str, local: torch.Tensor, dtype: str) -> None:
+    box = ((0,) * local.dim(), tuple(local.shape))
+    if local.device.type == "cpu" and local.is_contiguous():
+        reader.read_box(name, box, as_numpy(local.detach(), dtype))
+        return
+    data = np.empty(box[1], dtypes.numpy_dtype(dtype))
+    reader.read_box(name, box, data)
+    with torch.no_grad():
+        local.copy_(to_torch(data, dtype))
+
+
+@dataclass(frozen=True)
+class RankSnapshots:
+    """What one rank of a run left in this machine's shared memory."""
+
+    node: str
+    rank: int
+    steps: tuple[int, ...]
+    nbytes: int
+    alive: bool  # its Checkpointer still holds the lock: the run is running
+
+
+def survey(folder: Path) -> list[RankSnapshots]:
+    """Every rank's snapshots under a run's memory folder (`run_folder`), by node and rank."""
+    found = []
+    for rank_folder in sorted(folder.glob("*/rank-*")):
+        steps, nbytes = [], 0
+        for child in rank_folder.iterdir():
+            match = _STEP.match(child.name)
+            if match and (child / MANIFEST).is_file():
+                steps.append(int(match.group(1)))
+                nbytes += sum(f.stat().st_size for f in child.iterdir() if f.is_file())
+        found.append(RankSnapshots(rank_folder.parent.name, int(rank_folder.name[5:]), tuple(sorted(steps)), nbytes,
+                                   _locked(rank_folder / LOCK_FILE)))
+    return found
+
+
+def _locked(lock: Path) -> bool:
+    try:
+        with open(lock, "rb") as handle:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+    except FileNotFoundError:
+        pass
+    return False

@@ -1,0 +1,185 @@
+"""The host-memory tier: each rank's snapshot in shared memory, resumed before the disk when it is newer and
+whole on every rank, bit for bit; a damaged or partial snapshot falls back to the next tier and says why."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from test_train import Run, _assert_same_as
+from test_train import zygote as zygote  # noqa: F401  (the module's fixture, used by the two-rank test)
+from torch import nn
+
+from tensormorph.cli import main
+from tensormorph.errors import ChecksumError
+from tensormorph.train import Checkpointer
+from tensormorph.train.memory import run_folder
+
+torch.set_num_threads(1)
+
+
+def _training(seed: int = 0, width: int = 3):
+    torch.manual_seed(seed)
+    model = nn.Linear(4, width)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return model, opt
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    torch.manual_seed(100 + step)
+    model(torch.randn(2, 4)).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _train(ckpt: Checkpointer, model, opt, steps: range) -> dict[str, torch.Tensor]:
+    for step in steps:
+        _step(model, opt, step)
+        ckpt.save(step, model=model, optimizer=opt, extra={"step": step})
+    ckpt.wait()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _flip_byte(path: Path, at: int = -8) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _disk_data_files(root: Path) -> list[Path]:
+    return sorted(root.glob("step-*/rank-*.safetensors"))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_resumes_from_memory_without_reading_the_disk(tmp_path, async_save):
+    model, opt = _training()
+    ckpt = Checkpointer(tmp_path / "run", memory_every=1, disk_every=3, memory_dir=tmp_path / "shm",
+                        async_save=async_save, release_memory_on_close=False)
+    saved = _train(ckpt, model, opt, range(1, 6))
+    assert ckpt.memory_steps() == (4, 5) and [i.step for i in ckpt.list()] == [3]  # memory_keep=2
+    assert [t.tiers for t in ckpt.timings] == [("memory",), ("memory",), ("memory", "disk"), ("memory",),
+                                               ("memory",)]
+    assert all(t.memory_s is not None and t.memory_s <= t.durable_s for t in ckpt.timings)
+    assert ckpt.memory_bytes == sum(f.stat().st_size for f in (tmp_path / "shm").rglob("*")
+                                    if f.is_file() and f.name != ".alive")
+    ckpt.close()
+    for data in _disk_data_files(tmp_path / "run"):
+        _flip_byte(data)  # any read of the disk's data would fail its checksum
+
+    fresh, fresh_opt = _training(seed=1)
+    again = Checkpointer(tmp_path / "run", memory_every=1, disk_every=3, memory_dir=tmp_path / "shm")
+    assert again.resume(model=fresh, optimizer=fresh_opt) == 5
+    assert (again.resumed_from, again.resume_notes, again.extra) == ("memory", [], {"step": 5})
+    assert all(torch.equal(p, saved[n]) for n, p in fresh.named_parameters())
+    assert fresh_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(fresh_opt.state_dict()["state"][0][key], opt.state_dict()["state"][0][key])
+    again.close()
+    assert not run_folder(again.root, tmp_path / "shm").exists()  # a finished run's memory is released
+
+
+def test_a_damaged_snapshot_falls_back_to_disk_and_says_why(tmp_path):
+    model, opt = _training()
+    ckpt = Checkpointer(tmp_path / "run", memory_every=1, disk_every=2, memory_dir=tmp_path / "shm",
+                        release_memory_on_close=False)
+    for step in range(1, 4):
+        _step(model, opt, step)
+        ckpt.save(step, model=model, optimizer=opt)
+        if step == 2:
+            at_disk = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ckpt.close()
+    snapshot = next((tmp_path / "shm").rglob("step-00000003/rank-00000.safetensors"))
+    _flip_byte(snapshot)
+    fresh, fresh_opt = _training(seed=1)
+    again = Checkpointer(tmp_path / "run", memory_every=1, disk_every=2, memory_dir=tmp_path / "shm")
+    assert again.resume(model=fresh, optimizer=fresh_opt) == 2
+    assert again.resumed_from == "disk"
+    assert len(again.resume_notes) == 1 and "step 3 in memory: rank 0" in again.resume_notes[0]
+    assert ChecksumError.__name__ in again.resume_notes[0] and "CRC-32C" in again.resume_notes[0]
+    assert all(torch.equal(p, at_disk[n]) for n, p in fresh.named_parameters())
+    again.close()
+
+
+def test_a_snapshot_of_another_layout_falls_back_to_disk(tmp_path):
+    model, opt = _training()
+    ckpt = Checkpointer(tmp_path / "run", memory_every=1, disk_every=1, memory_dir=tmp_path / "shm",
+                        release_memory_on_close=False)
+    _train(ckpt, model, opt, range(1, 3))
+    ckpt.close()
+    shutil.rmtree(tmp_path / "run" / "step-00000002")  # disk holds step 1, memory steps 1 and 2
+    wider, wider_opt = _training(width=5)
+    again = Checkpointer(tmp_path / "run", memory_every=1, memory_dir=tmp_path / "shm")
+    with pytest.raises(Exception, match="shape"):  # the disk checkpoint does not fit either: strict says so
+        again.resume(model=wider, optimizer=wider_opt)
+    again.close()
+
+
+def test_a_newer_disk_checkpoint_wins_over_older_memory(tmp_path):
+    model, opt = _training()
+    ckpt = Checkpointer(tmp_path / "run", memory_every=4, disk_every=1, memory_dir=tmp_path / "shm",
+                        release_memory_on_close=False)
+    saved = _train(ckpt, model, opt, range(1, 6))
+    assert ckpt.memory_steps() == (4,)
+    ckpt.close()
+    fresh, fresh_opt = _training(seed=1)
+    again = Checkpointer(tmp_path / "run", memory_every=4, memory_dir=tmp_path / "shm")
+    assert again.resume(model=fresh, optimizer=fresh_opt) == 5 and again.resumed_from == "disk"
+    assert all(torch.equal(p, saved[n]) for n, p in fresh.named_parameters())
+    assert again.resume(model=fresh, optimizer=fresh_opt, step=4) == 4 and again.resumed_from == "memory"
+    again.close()
+
+
+def test_tiers_list_and_clean_a_dead_run(tmp_path):
+    model, opt = _training()
+    memory = str(tmp_path / "shm")
+    ckpt = Checkpointer(tmp_path / "run", memory_every=1, disk_every=2, memory_dir=memory,
+                        release_memory_on_close=False)
+    _train(ckpt, model, opt, range(1, 4))
+    listed = CliRunner().invoke(main, ["tiers", "list", str(tmp_path / "run"), "--memory-dir", memory, "--json"])
+    assert listed.exit_code == 0, listed.output
+    report = json.loads(listed.output)
+    assert [(r["step"], r["disk"], r["memory"]["ranks"]) for r in report["steps"]] == [
+        (2, True, [0]), (3, False, [0])]
+    assert report["ranks"][0]["alive"] and report["ranks"][0]["bytes"] == ckpt.memory_bytes > 0
+    refused = CliRunner().invoke(main, ["tiers", "clean", str(tmp_path / "run"), "--memory-dir", memory])
+    assert refused.exit_code != 0 and "alive" in refused.output
+    ckpt.close()  # the run ends without releasing: as after a crash
+    cleaned = CliRunner().invoke(main, ["tiers", "clean", str(tmp_path / "run"), "--memory-dir", memory, "--json"])
+    assert cleaned.exit_code == 0, cleaned.output
+    assert json.loads(cleaned.output)["released_bytes"] == report["ranks"][0]["bytes"]
+    assert not run_folder(ckpt.root, memory).exists()
+    human = CliRunner().invoke(main, ["tiers", "list", str(tmp_path / "run"), "--memory-dir", memory])
+    assert human.exit_code == 0 and "step        2  memory -" in human.output
+
+
+def test_two_ranks_killed_resume_from_shared_memory_bitwise_identical(zygote, tmp_path):  # noqa: F811
+    """FSDP2 on 2 gloo ranks, a memory snapshot every step and a disk checkpoint every 6: killed right after step
+    8's snapshot, with every disk data file then damaged, the run resumes at step 8 from /dev/shm. Killed again at
+    14 with rank 1's snapshot of 14 lost, it resumes at 13, the newest step whole on both ranks, and says why."""
+    argv = ["--steps", "20", "--samples", "40", "--batch", "4", "--save-every", "1", "--memory-every", "1",
+            "--disk-every", "6"]
+    reference = Run(zygote, tmp_path, "ref", 2, ["--root", str(tmp_path / "ref-root"), *argv])
+    reference.finish()
+    root = ["--root", str(tmp_path / "run")]
+    first = Run(zygote, tmp_path, "a", 2, [*root, *argv, "--markers", "8"])
+    first.line("DURABLE 8")
+    first.kill()
+    for data in _disk_data_files(tmp_path / "run"):
+        _flip_byte(data)
+    second = Run(zygote, tmp_path, "b", 2, [*root, *argv, "--markers", "14"])
+    second.line("DURABLE 14")
+    second.kill()
+    memory = run_folder((tmp_path / "run").absolute())
+    lost = next(memory.glob("*/rank-00001/step-00000014"))
+    shutil.rmtree(lost)
+    third = Run(zygote, tmp_path, "c", 2, [*root, *argv])
+    third.finish()
+    assert (second.resumed(), third.resumed()) == (8, 13)
+    assert second.line("RESUMED-FROM ") == "RESUMED-FROM memory []"
+    assert third.line("RESUMED-FROM ") == 'RESUMED-FROM memory ["step 14 is in memory on ranks [0] only"]'
+    _assert_same_as(reference, [first, second, third], 20, 2)
+    assert not memory.exists()  # released when the run finished
