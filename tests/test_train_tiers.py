@@ -11,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from test_train import Run, _assert_same_as
-from test_train import zygote as zygote  # noqa: F401  (the module's fixture, used by the two-rank test)
+from test_train import zygote as zygote  # the module fixture, re-exported for the two-rank test
 from torch import nn
 
 from tensormorph.cli import main
@@ -156,7 +156,7 @@ def test_tiers_list_and_clean_a_dead_run(tmp_path):
     assert human.exit_code == 0 and "step        2  memory -" in human.output
 
 
-def test_two_ranks_killed_resume_from_shared_memory_bitwise_identical(zygote, tmp_path):  # noqa: F811
+def test_two_ranks_killed_resume_from_shared_memory_bitwise_identical(zygote, tmp_path):
     """FSDP2 on 2 gloo ranks, a memory snapshot every step and a disk checkpoint every 6: killed right after step
     8's snapshot, with every disk data file then damaged, the run resumes at step 8 from /dev/shm. Killed again at
     14 with rank 1's snapshot of 14 lost, it resumes at 13, the newest step whole on both ranks, and says why."""
