@@ -183,3 +183,40 @@ def test_two_ranks_killed_resume_from_shared_memory_bitwise_identical(zygote, tm
     assert third.line("RESUMED-FROM ") == 'RESUMED-FROM memory ["step 14 is in memory on ranks [0] only"]'
     _assert_same_as(reference, [first, second, third], 20, 2)
     assert not memory.exists()  # released when the run finished
+
+
+def test_buddies_survive_the_loss_of_any_one_node():
+    from tensormorph.train.peers import buddies
+
+    assert buddies(["a", "a", "b", "b"]) == [2, 3, 0, 1]
+    assert buddies(["b", "a", "c", "a"]) == [2, 0, 1, 0]  # a -> b -> c -> a, by name
+    assert buddies(["a", "a", "a", "b"]) == [3, 3, 3, 0]  # a node of one rank holds the others' copies
+    assert buddies(["a", "a"]) == [None, None]  # one node: no copy would survive its loss
+    for nodes in (["a", "a", "b", "b", "c"], ["x", "y", "y", "z", "z", "z"]):
+        for rank, buddy in enumerate(buddies(nodes)):
+            assert nodes[buddy] != nodes[rank]
+
+
+def test_a_lost_node_is_restored_from_its_buddies_memory_bitwise_identical(zygote, tmp_path):
+    """4 FSDP2 ranks on two simulated nodes (shared-memory namespaces "a" and "b"), a snapshot every step copied to
+    a buddy on the other node, no disk checkpoint yet. Killed after step 6, node b's memory is deleted: its ranks
+    get their snapshots back from node a's memory and the run goes on bit for bit."""
+    argv = ["--steps", "10", "--samples", "32", "--batch", "2", "--save-every", "1", "--memory-every", "1",
+            "--disk-every", "100", "--workers", "0", "--nodes", "a,a,b,b", "--peers"]
+    reference = Run(zygote, tmp_path, "ref", 4, ["--root", str(tmp_path / "ref-root"), *argv])
+    reference.finish()
+    root = ["--root", str(tmp_path / "run")]
+    first = Run(zygote, tmp_path, "a", 4, [*root, *argv, "--markers", "6"])
+    first.line("DURABLE 6")
+    first.kill()
+    memory = run_folder((tmp_path / "run").absolute())
+    held = sorted(p.relative_to(memory).as_posix() for p in memory.glob("*/rank-*/peer-*/step-*"))
+    assert held == [f"{node}/rank-{r:05d}/peer-{o:05d}/step-{s:08d}" for node, r, o in
+                    (("a", 0, 2), ("a", 1, 3), ("b", 2, 0), ("b", 3, 1)) for s in (5, 6)]
+    shutil.rmtree(memory / "b")  # the node is lost, with its memory
+    assert not list((tmp_path / "run").glob("step-*"))  # and there is no disk checkpoint to fall back on
+    second = Run(zygote, tmp_path, "b", 4, [*root, *argv])
+    second.finish()
+    assert second.resumed() == 6 and second.line("RESUMED-FROM ") == "RESUMED-FROM peer []"
+    _assert_same_as(reference, [first, second], 10, 4)
+    assert not memory.exists()

@@ -96,7 +96,8 @@ def main() -> None:
     p.add_argument("--dump-resumed", action="store_true", help="save the state right after resume, then go on")
     p.add_argument("--memory-every", type=int, default=None, help="memory-tier snapshots every N steps")
     p.add_argument("--disk-every", type=int, default=1, help="disk checkpoints at every N-th save step")
-    p.add_argument("--node", default=None, help="this rank's node name (for the memory tier)")
+    p.add_argument("--nodes", default=None, help="each rank's node name, comma-separated (for the memory tier)")
+    p.add_argument("--peers", action="store_true", help="copy each memory snapshot to a rank on another node")
     args = p.parse_args()
 
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -127,7 +128,8 @@ def main() -> None:
                                     persistent_workers=args.persistent)
 
     ckpt = Checkpointer(args.root, keep=3, async_save=not args.sync, memory_every=args.memory_every,
-                        disk_every=args.disk_every, node=args.node)
+                        disk_every=args.disk_every, node=args.nodes.split(",")[rank] if args.nodes else None,
+                        peers=args.peers)
     if args.preempt:
         ckpt.save_on_signal()
     state = dict(model=model, optimizer=opt, scheduler=sched, scaler=scaler, dataloader=loader)

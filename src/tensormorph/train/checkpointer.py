@@ -31,12 +31,13 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import save as tm_save
-from ..distributed.collective import Collective
+from ..distributed.collective import Collective, failures
 from ..errors import CheckpointError
 from ..storage import AnyPath
 from ..tmformat.manifest import encode_value
 from .manager import TRAIN_KEY, CheckpointInfo, CheckpointManager
 from .memory import MemoryTier
+from .peers import PeerTier
 from .preemption import Preemption
 from .resume import Resumer
 from .staging import DeferredCopy, SaveTiming, Staging
@@ -63,7 +64,7 @@ class Checkpointer:
     def __init__(self, root: str | os.PathLike, *, keep: int | None = None, async_save: bool = False,
                  redundancy: str | None = None, storage_options: dict[str, Any] | None = None,
                  memory_every: int | None = None, disk_every: int = 1, memory_keep: int = 2,
-                 memory_dir: str | os.PathLike | None = None, node: str | None = None,
+                 memory_dir: str | os.PathLike | None = None, node: str | None = None, peers: bool = False,
                  release_memory_on_close: bool = True) -> None:
         if disk_every < 1 or (memory_every is not None and memory_every < 1):
             raise ValueError(f"memory_every and disk_every count steps: at least 1, got {memory_every} and "
@@ -86,7 +87,11 @@ class Checkpointer:
         self._staging = Staging()
         self._memory = MemoryTier(self.root, self._control.rank, keep=memory_keep, memory_dir=memory_dir, node=node) \
             if memory_every is not None else None
-        self._resumer = Resumer(self._manager, self._control, storage_options, self._memory)
+        self._peers = None
+        if peers and self._memory is not None:  # every rank passes the same arguments: the group is made by all
+            group = Collective(dist.new_group(backend="gloo") if distributed else None)
+            self._peers = PeerTier(self._memory, group, self._control.gather(self._memory.node))
+        self._resumer = Resumer(self._manager, self._control, storage_options, self._memory, self._peers)
         self._preemption = Preemption(self._control)
         self._closed = False
         self._control.barrier()
@@ -192,8 +197,15 @@ class Checkpointer:
                started: float) -> None:
         """Each tier due: this rank's memory snapshot first (no collective), then the disk checkpoint."""
         if "memory" in timing.tiers and self._memory is not None:
-            self._memory.save(timing.step, state, meta)
+            memory = self._memory
+            outcomes = self._save.everyone(lambda: memory.save(timing.step, state, meta), label="memory snapshot: ")
+            failed = failures(outcomes)
+            if failed:  # every rank raises alike, and none waits for a copy that will not come
+                raise CheckpointError(f"memory snapshot of step {timing.step} failed: {failed[0]}", file=str(path))
             timing.memory_s = time.perf_counter() - started
+            if self._peers is not None:
+                self._peers.exchange(outcomes[self._save.rank].unwrap())
+                timing.peer_s = time.perf_counter() - started
         if "disk" in timing.tiers:
             tm_save(state, path if isinstance(path, Path) else str(path), process_group=self._save.group,
                     overwrite=True, extra=meta, redundancy=self.redundancy, storage_options=self.storage_options)

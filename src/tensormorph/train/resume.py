@@ -16,13 +16,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..distributed import load as tm_load
-from ..distributed.collective import Collective
+from ..distributed.collective import Collective, failures
 from ..errors import CheckpointError
 from ..storage import AnyPath, LocalFiles, as_path, store_at
 from ..tmformat.checkpoint import read_manifest
 from . import rng
 from .manager import TRAIN_KEY, CheckpointManager
 from .memory import MemoryTier
+from .peers import PeerTier
 from .plain import from_plain, to_plain
 from .state import component_states, generator_state, loader_parts, optimizers
 
@@ -39,6 +40,7 @@ class Choice:
     path: AnyPath
     rejected: list[str] = field(default_factory=list)
     fallback: Choice | None = None
+    plan: list[tuple[int, int, int]] = field(default_factory=list)  # (holder, rank, step): copies to give back
 
 
 @dataclass
@@ -54,9 +56,11 @@ class Resumer:
     for the data loader's first index is held here meanwhile: it is the state a save in between captures."""
 
     def __init__(self, manager: CheckpointManager, control: Collective,
-                 storage_options: dict[str, Any] | None = None, memory: MemoryTier | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, memory: MemoryTier | None = None,
+                 peers: PeerTier | None = None) -> None:
         self._manager = manager
         self._memory = memory
+        self._peers = peers
         self._control = control
         self._storage_options = storage_options
         self._pending: _Generators | None = None
@@ -67,9 +71,16 @@ class Resumer:
         snapshot counts only when every rank has one of that step); None when there is nothing. Collective."""
         found = self._control.decide(lambda: [(i.step, str(i.path)) for i in self._manager.list()],
                                      "cannot list the checkpoints", self._manager.root)
-        snapshots = {s.step: s.path for s in self._memory.snapshots()} if self._memory is not None else {}
-        everyone = self._control.gather(sorted(snapshots)) if self._memory is not None else []
-        complete = set.intersection(*map(set, everyone)) if everyone else set()
+        own = [s.step for s in self._memory.snapshots()] if self._memory is not None else []
+        held = self._peers.held() if self._peers is not None else {}
+        shared = self._control.gather((own, held)) if self._memory is not None else []
+        everyone = [steps for steps, _ in shared]
+        # a step counts for a rank when it holds the snapshot, or another rank holds a copy of it
+        copies = {(origin, step): holder for holder, (_, held_there) in reversed(list(enumerate(shared)))
+                  for origin, steps in held_there.items() for step in steps}  # the lowest-ranked holder of each
+        available = [set(steps) | {step for (origin, step) in copies if origin == rank}
+                     for rank, steps in enumerate(everyone)]
+        complete = set.intersection(*available) if available else set()
         if step is not None:
             found = [f for f in found if f[0] == step]
             complete &= {step}
@@ -83,7 +94,11 @@ class Resumer:
             "disk", newest_disk[0], as_path(newest_disk[1], self._storage_options, cache=False), rejected)
         if complete and (newest_disk is None or max(complete) >= newest_disk[0]):
             newest = max(complete)
-            return Choice("memory", newest, snapshots[newest], rejected, fallback=disk)
+            assert self._memory is not None
+            plan = [(copies[(rank, newest)], rank, newest) for rank, steps in enumerate(everyone)
+                    if newest not in steps]
+            return Choice("peer" if plan else "memory", newest, self._memory.folder / f"step-{newest:08d}", rejected,
+                          fallback=disk, plan=plan)
         return disk
 
     def restore(self, choice: Choice, *, model: Any, optimizer: Any, scheduler: Any, scaler: Any, dataloader: Any,
@@ -91,14 +106,27 @@ class Resumer:
         """Load what `choice` names into what is given (collective): a memory snapshot, or when any rank cannot
         (damaged, another layout), the disk checkpoint; what was used, its step and its `extra`."""
         given = optimizers(optimizer)
-        if choice.tier == "memory":
+        if choice.tier in ("memory", "peer"):
             assert self._memory is not None and isinstance(choice.path, Path)
             snapshot, memory = choice.path, self._memory
+            delivered: str | None = None  # why a copy from a peer did not arrive
+            if choice.plan:  # ranks without their own snapshot get it back from the ranks holding copies
+                peers, plan = self._peers, choice.plan
+                assert peers is not None
+                packed = self._control.everyone(lambda: peers.pack(plan), label="peer copy: ")
+                unreadable = failures(packed)
+                if unreadable:  # a holder lost its copy: nothing is sent, and the load below falls back
+                    delivered = unreadable[0]
+                else:  # every holder has its copy in hand: none is waited for in vain
+                    delivered = self._control.run(lambda: peers.deliver(plan, packed[self._control.rank].unwrap()),
+                                                  label="peer copy: ").error
             target = self._target(model, given, scheduler, scaler, read_manifest(LocalFiles(snapshot),
                                                                                  str(snapshot)).objects, dataloader)
             world = self._control.world
 
             def load_mine() -> dict[str, Any]:
+                if delivered is not None and any(origin == self._control.rank for _, origin, _ in choice.plan):
+                    raise CheckpointError(f"its copy from a peer did not arrive ({delivered})")
                 meta = memory.load(snapshot, target)[TRAIN_KEY]
                 if meta["world_size"] != world:  # a snapshot holds one rank's share: only its own world resumes
                     raise CheckpointError(f"it was saved on {meta['world_size']} ranks, this run has {world}")

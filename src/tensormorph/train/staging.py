@@ -38,6 +38,7 @@ class SaveTiming:
     durable_s: float | None = None  # from the call until the commit; None while in flight
     tiers: tuple[str, ...] = ()  # where this save goes: "memory", "disk"
     memory_s: float | None = None  # from the call until the memory snapshot was committed
+    peer_s: float | None = None  # from the call until the buddy held its copy
 
 
 @dataclass
