@@ -35,6 +35,7 @@ from ..distributed.collective import Collective, failures
 from ..errors import CheckpointError
 from ..storage import AnyPath
 from ..tmformat.manifest import encode_value
+from .drain import Drain
 from .manager import TRAIN_KEY, CheckpointInfo, CheckpointManager
 from .memory import MemoryTier
 from .peers import PeerTier
@@ -65,10 +66,15 @@ class Checkpointer:
                  redundancy: str | None = None, storage_options: dict[str, Any] | None = None,
                  memory_every: int | None = None, disk_every: int = 1, memory_keep: int = 2,
                  memory_dir: str | os.PathLike | None = None, node: str | None = None, peers: bool = False,
+                 remote: str | None = None, remote_every: int | None = None, remote_keep: int | None = None,
+                 remote_storage_options: dict[str, Any] | None = None,
                  release_memory_on_close: bool = True) -> None:
         if disk_every < 1 or (memory_every is not None and memory_every < 1):
             raise ValueError(f"memory_every and disk_every count steps: at least 1, got {memory_every} and "
                              f"{disk_every}")
+        if remote is not None and (remote_every is None or remote_every < 1 or remote_every % disk_every):
+            raise ValueError(f"remote_every must be a multiple of disk_every ({disk_every}): the object store gets "
+                             f"copies of disk checkpoints; got {remote_every}")
         self._manager = CheckpointManager(root, keep, storage_options)
         self.storage_options = storage_options
         self.async_save = async_save
@@ -91,7 +97,12 @@ class Checkpointer:
         if peers and self._memory is not None:  # every rank passes the same arguments: the group is made by all
             group = Collective(dist.new_group(backend="gloo") if distributed else None)
             self._peers = PeerTier(self._memory, group, self._control.gather(self._memory.node))
-        self._resumer = Resumer(self._manager, self._control, storage_options, self._memory, self._peers)
+        self.remote_every = remote_every if remote is not None else None
+        self._drain = Drain(remote, remote_storage_options, remote_keep) \
+            if remote is not None and self._control.rank == 0 else None
+        remote_manager = CheckpointManager(remote, remote_keep, remote_storage_options) if remote is not None else None
+        self._resumer = Resumer(self._manager, self._control, storage_options, self._memory, self._peers,
+                                remote_manager, remote_storage_options)
         self._preemption = Preemption(self._control)
         self._closed = False
         self._control.barrier()
@@ -144,14 +155,15 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; make a new one to save again", file=str(self.root))
         path = self._manager.path(step)
-        tiers = tuple(tier for tier, every in (("memory", self.memory_every), ("disk", self.disk_every))
+        tiers = tuple(tier for tier, every in (("memory", self.memory_every), ("disk", self.disk_every),
+                                               ("remote", self.remote_every))
                       if every is not None and step % every == 0)
         timing = SaveTiming(step, path, tiers=tiers)
         if not tiers and not self._preemption.stopping:
             return timing  # no tier is due at this step
         if not tiers:
             tiers = timing.tiers = ("disk",)  # the last save before a stop goes to disk
-        self.wait()
+        self._staging.wait()  # the save in flight; never the copy to the object store
         state, meta = self._collect(step, model, optimizer, scheduler, scaler, dataloader, extra)
         # what a checkpoint cannot hold is refused here, naming the entry, before anything is written
         walk(state, lambda name, tensor: tensor, lambda name, value: encode_value(value, name))
@@ -170,8 +182,16 @@ class Checkpointer:
         return timing
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is committed; raise its error if it failed."""
+        """Block until the save in flight (if any) is committed, and its copy to the object store too; raise the
+        save's error if it failed (a failed copy is in `remote_errors`)."""
         self._staging.wait()
+        if self._drain is not None:
+            self._drain.wait()
+
+    @property
+    def remote_errors(self) -> tuple[str, ...]:
+        """Copies to the object store that failed (rank 0 copies; other ranks have none)."""
+        return tuple(self._drain.errors) if self._drain is not None else ()
 
     def _collect(self, step: int, model: Any, optimizer: Any, scheduler: Any, scaler: Any, dataloader: Any,
                  extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -209,8 +229,10 @@ class Checkpointer:
         if "disk" in timing.tiers:
             tm_save(state, path if isinstance(path, Path) else str(path), process_group=self._save.group,
                     overwrite=True, extra=meta, redundancy=self.redundancy, storage_options=self.storage_options)
+            if self._drain is not None and "remote" in timing.tiers and isinstance(path, Path):
+                self._drain.submit(timing.step, path)  # copied by the drain's thread; nothing waits for it
             if self._save.rank == 0:
-                self._manager.retain()
+                self._manager.retain(protect=self._drain.in_use() if self._drain is not None else ())
         timing.durable_s = time.perf_counter() - started
 
     def _write_in_background(self, state: dict[str, Any], deferred: Sequence[DeferredCopy], path: AnyPath,
@@ -273,6 +295,8 @@ class Checkpointer:
         """Wait for the save in flight, unhook the optimizers and release the process groups."""
         self.wait()
         self._staging.close()
+        if self._drain is not None:
+            self._drain.close()
         if self._memory is not None:
             if self.release_memory_on_close:  # a finished run gives its shared memory back
                 self._control.barrier()  # no rank releases while another may still resume from it

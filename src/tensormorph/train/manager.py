@@ -11,6 +11,7 @@ import os
 import shutil
 import uuid
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,14 +90,16 @@ class CheckpointManager:
         infos = self.list()
         return infos[-1] if infos else None
 
-    def retain(self) -> None:
-        """Delete committed checkpoints beyond the `keep` newest (one process, after a commit). A deletion
-        that fails is a warning: the new checkpoint is committed, and an old one that stays is no failure."""
+    def retain(self, protect: Collection[str] = ()) -> None:
+        """Delete committed checkpoints beyond the `keep` newest (one process, after a commit), except those whose
+        path is in `protect` (being copied to another tier). A deletion that fails is a warning: the new
+        checkpoint is committed, and an old one that stays is no failure."""
         if self.keep is None:
             return
         try:
             for info in self.list()[:-self.keep]:
-                self._delete(info.path)
+                if str(info.path) not in protect:
+                    self._delete(info.path)
         except OSError as exc:
             warnings.warn(f"could not delete an old checkpoint under {self.root}: {exc}", stacklevel=2)
 

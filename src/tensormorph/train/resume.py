@@ -41,6 +41,7 @@ class Choice:
     rejected: list[str] = field(default_factory=list)
     fallback: Choice | None = None
     plan: list[tuple[int, int, int]] = field(default_factory=list)  # (holder, rank, step): copies to give back
+    options: dict[str, Any] | None = None  # storage options of a disk or object-store checkpoint
 
 
 @dataclass
@@ -57,8 +58,10 @@ class Resumer:
 
     def __init__(self, manager: CheckpointManager, control: Collective,
                  storage_options: dict[str, Any] | None = None, memory: MemoryTier | None = None,
-                 peers: PeerTier | None = None) -> None:
+                 peers: PeerTier | None = None, remote: CheckpointManager | None = None,
+                 remote_options: dict[str, Any] | None = None) -> None:
         self._manager = manager
+        self._remote, self._remote_storage_options = remote, remote_options
         self._memory = memory
         self._peers = peers
         self._control = control
@@ -86,12 +89,28 @@ class Resumer:
             complete &= {step}
             if not found and not complete:
                 raise CheckpointError(f"has no committed checkpoint of step {step}", file=str(self._manager.root))
+        if self._remote is not None:  # the object store's copies count where the disk has no newer step
+            remote = self._remote
+            stored = self._control.decide(lambda: [(i.step, str(i.path)) for i in remote.list()],
+                                          "cannot list the object store's checkpoints", remote.root)
+            if step is not None:
+                stored = [f for f in stored if f[0] == step]
+            if stored and (not found or stored[-1][0] > found[-1][0]):
+                found = [*found, stored[-1]]
+                remote_newest = stored[-1][0]
+            else:
+                remote_newest = None
+        else:
+            remote_newest = None
         newest_disk = found[-1] if found else None
         rejected = [f"step {s} is in memory on ranks {[r for r, steps in enumerate(everyone) if s in steps]} only"
                     for s in sorted({s for steps in everyone for s in steps} - complete, reverse=True)
                     if s > max(complete, default=-1) and (step is None or s == step)]
+        on_remote = newest_disk is not None and newest_disk[0] == remote_newest
+        options = self._remote_storage_options if on_remote else self._storage_options
         disk = None if newest_disk is None else Choice(
-            "disk", newest_disk[0], as_path(newest_disk[1], self._storage_options, cache=False), rejected)
+            "remote" if on_remote else "disk", newest_disk[0], as_path(newest_disk[1], options, cache=False),
+            rejected, options=options)
         if complete and (newest_disk is None or max(complete) >= newest_disk[0]):
             newest = max(complete)
             assert self._memory is not None
@@ -149,8 +168,7 @@ class Resumer:
         path = choice.path
         manifest = read_manifest(store_at(path), str(path))
         target = self._target(model, given, scheduler, scaler, manifest.objects, dataloader)
-        tm_load(path if isinstance(path, Path) else str(path), target, strict=strict,
-                storage_options=self._storage_options)
+        tm_load(path if isinstance(path, Path) else str(path), target, strict=strict, storage_options=choice.options)
         step, extra = self._apply(path, manifest.extra[TRAIN_KEY], target, model, given, scheduler, scaler, dataloader)
         return choice, step, extra
 
