@@ -298,3 +298,22 @@ def test_split_rules() -> None:
                                           "\\(3,\\)") as caught:
         splits.Rules({"affine_map": {"params": {"b": entry}}}, paths[0]).split("b", [(2,), (3,)], paths)
     assert caught.value.file == paths[1]
+
+
+def test_inspect_and_the_viewer_describe_an_averaged_parameter(built: Path) -> None:
+    """A Partial(avg) placement beside DeepSpeed's own placement text (not a torch placement) is described."""
+    from click.testing import CliRunner
+    from starlette.testclient import TestClient
+
+    from tensormorph.cli import main
+    from tensormorph.server import create_app
+
+    folder = built / "megatron_zero2" / "ckpt"
+    shown = CliRunner().invoke(main, ["inspect", str(folder), "--json"])
+    assert shown.exit_code == 0, shown.output
+    records = {t["name"]: t for t in json.loads(shown.output)["tensors"]}
+    assert records["norm.bias"]["reduction"] == {"op": "avg", "contributions": 2, "mesh_dims": [0]}
+    assert "Partial(avg) over mesh dim 0: 2 contributions" in records["norm.bias"]["split"]
+    with TestClient(create_app([folder])) as client:
+        info = client.get("/api/checkpoints/a/tensor", params={"name": "norm.bias"})
+        assert info.status_code == 200 and info.json()["reduction"]["op"] == "avg"

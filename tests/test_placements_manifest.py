@@ -299,3 +299,82 @@ def test_inspect_says_how_a_partial_tensor_is_stored(tmp_path):
     assert "ranks [0] contribution 0" in shown.output and "ranks [1] contribution 1" in shown.output
     as_json = json.loads(CliRunner().invoke(main, ["inspect", str(tmp_path / "ck"), "--json"]).output)
     assert as_json["tensors"][0]["reduction"] == {"op": "avg", "contributions": 2, "mesh_dims": [0]}
+
+
+def test_hostile_split_factors_and_meshes_are_refused_at_once(tmp_path):
+    shape, placements = (8, 2), ["_StridedShard(0, split_factor=2)"]
+    write_layout(tmp_path / "ck", shape, (2,), placements, lambda rank, box: np.zeros(box[1], np.float32))
+    for name, edit, error, message in [
+        ("huge", lambda record: record.update(placements=[f"_StridedShard(0, split_factor={10**12})"]),
+         ChunkLayoutError, "split factors are inconsistent"),
+        ("dims", lambda record: record.update(mesh={"shape": [2] + [1] * 70, "ranks": [0, 1], "dim_names": None},
+                                              placements=["_StridedShard(0, split_factor=2)"] + ["Replicate()"] * 70),
+         HeaderError, "1 to 64 dimensions"),
+        ("noranks", lambda record: record["mesh"].update(ranks=[]), HeaderError, "lists 0 ranks"),
+        ("badcontribution", lambda record: record["chunks"][0].update(contribution="1"), HeaderError,
+         "contribution must be an integer"),
+    ]:
+        shutil.copytree(tmp_path / "ck", tmp_path / name)
+        rewrite(tmp_path / name, lambda body, edit=edit: edit(body["tensors"]["w"]))
+        with pytest.raises(error, match=message) as caught:
+            tm.open(tmp_path / name)
+        assert caught.value.tensor == "w", name
+
+
+def test_a_rank_file_never_repeats_a_name(tmp_path):
+    """Rank 0 holds two boxes of `w` (_StridedShard alone); its second is stored as `w@5,0`, and a tensor of that
+    very name must not collide with it: the rank file stays a valid safetensors file."""
+    import safetensors
+
+    shape = (9, 2)
+    full = np.arange(18, dtype=np.float32).reshape(shape)
+    other = np.full((3,), 7, np.float32)
+    save = SaveTransaction(tmp_path / "ck")
+    pieces, values = [], {}
+    for rank in range(2):
+        for box, _ in local_pieces(shape, (2,), ["_StridedShard(0, split_factor=2)"], (rank,)):
+            piece = Piece("w", "F32", shape, box[0], box[1], rank, (2,), (0, 1), None,
+                          ("_StridedShard(0, split_factor=2)",))
+            pieces.append(piece)
+            values[piece.key] = full[tuple(slice(o, o + n) for o, n in zip(*box))]
+    clash = Piece("w@5,0", "F32", (3,), (0,), (3,), 0)
+    pieces.append(clash)
+    values[clash.key] = other
+    save.plan(pieces)
+    save.join(save.prepare())
+    results = [save.write_rank(rank, [(p, lambda v=values[p.key]: [np.ascontiguousarray(v).reshape(-1)])
+                                      for p in save.written_by(rank, [p for p in pieces if p.rank == rank])], {})
+               for rank in range(2)]
+    save.commit(results, [{}, {}], {})
+    with safetensors.safe_open(str(tmp_path / "ck" / "rank-00000.safetensors"), "np") as f:
+        assert sorted(f.keys()) == ["w", "w@5,0", "w@5,0~1"]
+    ck = tm.open(tmp_path / "ck")
+    assert ck["w"].full().tobytes() == full.tobytes() and ck["w@5,0"].full().tobytes() == other.tobytes()
+
+
+def test_a_box_of_a_partial_tensor_over_100000_ranks_reads_in_linear_time(tmp_path):
+    from tensormorph.storage import LocalFiles
+    from tensormorph.tmformat.reader import BoxReader
+
+    count = 100_000
+    values = np.arange(count, dtype=np.float32)[::-1].copy()
+    (tmp_path / "rank-00000.safetensors").write_bytes(values.tobytes())
+    body = {"format": "tensormorph", "version": 1, "created": "", "world_size": count, "writer": {},
+            "checksum": {"algorithm": "crc32c", "block": 65536},
+            "files": {"rank-00000.safetensors": {"size": 4 * count, "crc32c": "00000000", "rank": 0}},
+            "tensors": {"w": {"dtype": "F32", "shape": [1],
+                              "mesh": {"shape": [count], "ranks": list(range(count)), "dim_names": None},
+                              "placements": ["Partial(min)"],
+                              "chunks": [{"file": "rank-00000.safetensors", "offsets": [0], "shape": [1],
+                                          "byte_range": [4 * i, 4 * i + 4], "crc32c": "AAAAAA==", "rank": i,
+                                          "holders": [i], "contribution": i} for i in range(count)]}},
+            "objects": {}, "extra": {}}
+    text = json.dumps(body, separators=(",", ":"))
+    raw = json.dumps({"manifest_crc32c": f"{crc32c.crc32c(text.encode()):08x}", "body": body}).encode()
+    out = np.empty(1, np.float32)
+    with BoxReader(parse(raw, "manifest.json"), LocalFiles(tmp_path), str(tmp_path), verify=False) as reader:
+        reader.read_box("w", ((0,), (1,)), out)  # each contribution's chunks found once: not 100,000 scans each
+        assert out[0] == 0.0
+        one = np.empty(1, np.float32)
+        reader.read_box("w", ((0,), (1,)), one, contribution=7)
+        assert one[0] == values[7]

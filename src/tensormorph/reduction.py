@@ -6,12 +6,14 @@ those dimensions (contribution i is the i-th coordinate in row-major order). Its
     sum: ((c0 + c1) + c2) + ...        avg: the sum, divided by the number of contributions
     min / max: element-wise, NaN-propagating as torch.minimum / torch.maximum
 
-computed in the tensor's own dtype, left to right by contribution index, so every reader gets the same bits.
+computed in the tensor's own dtype (the avg's division in float32 for dtypes narrower than that), left to right
+by contribution index, so every reader gets the same bits.
 Torch's `full_tensor()` reduces in its collective's order; with two contributions any order gives the same
 bits (float addition is commutative), with more the results agree to rounding.
 
-Integers: a sum whose exact value leaves the dtype's range is refused (CheckpointError naming the tensor),
-never wrapped. `avg` is defined for floating dtypes only (torch refuses it for integers too), and `sum`/`avg`
+Integers: a sum is refused (CheckpointError naming the tensor) as soon as a partial sum, in that order, leaves the
+dtype's range, never wrapped (torch's collectives wrap); `sum` and `avg` of float8_e8m0fnu, which has no zero, are
+refused too. `avg` is defined for floating dtypes only (torch refuses it for integers too), and `sum`/`avg`
 of booleans is refused.
 """
 
@@ -32,10 +34,11 @@ class Reduction:
 
     op: str  # one of REDUCE_OPS
     contributions: int  # how many are stored (the product of the Partial mesh dimensions' sizes)
+    mesh_dims: tuple[int, ...] = ()  # the mesh dimensions placed Partial
 
-    def describe(self, mesh_dims: tuple[int, ...] = ()) -> str:
-        over = f" over mesh dim{'s' if len(mesh_dims) > 1 else ''} {', '.join(map(str, mesh_dims))}" \
-            if mesh_dims else ""
+    def describe(self) -> str:
+        dims = self.mesh_dims
+        over = f" over mesh dim{'s' if len(dims) > 1 else ''} {', '.join(map(str, dims))}" if dims else ""
         return f"Partial({self.op}){over}: {self.contributions} contribution{'s' if self.contributions != 1 else ''}"
 
 
@@ -45,6 +48,8 @@ def check_reducible(op: str, dtype: np.dtype, tensor: str | None = None) -> None
         raise UnsupportedError(f"unknown reduce op {op!r}: expected one of {', '.join(REDUCE_OPS)}", tensor=tensor)
     if op in ("sum", "avg") and dtype == np.bool_:
         raise UnsupportedError(f"Partial({op}) of a boolean tensor has no value", tensor=tensor)
+    if op in ("sum", "avg") and dtype.name == "float8_e8m0fnu":
+        raise UnsupportedError(f"Partial({op}) of float8_e8m0fnu (powers of two, no zero) has no value", tensor=tensor)
     if op == "avg" and dtype.kind in "iu":
         raise UnsupportedError("Partial(avg) of an integer tensor is undefined (torch refuses it too)", tensor=tensor)
 
@@ -66,8 +71,9 @@ def combine(op: str, total: np.ndarray, piece: np.ndarray, tensor: str | None = 
 
 def finish(op: str, total: np.ndarray, contributions: int) -> None:
     """Complete the reduction in place once every contribution is folded in."""
-    if op == "avg" and contributions > 1:
-        total[...] = total / total.dtype.type(contributions)
+    if op == "avg" and contributions > 1:  # narrow floats cannot hold the count exactly: divide in float32
+        wide = np.float32 if total.dtype.itemsize < 4 else total.dtype.type
+        total[...] = (total.astype(wide) / wide(contributions)).astype(total.dtype)
 
 
 def _checked_integer_sum(total: np.ndarray, piece: np.ndarray, tensor: str | None) -> None:

@@ -149,8 +149,12 @@ def held_pieces(name: str, tensor: torch.Tensor, dtensor: tuple[type[DTensor], .
         raise UnsupportedError(
             f"placements {list(texts)} on mesh {list(mesh.shape)} put the rank at {list(coordinate)} at boxes "
             f"{[box for box, _ in pieces][:4]}, but torch holds a local tensor of shape {list(local.shape)}"
-            f"{f' at offsets {list(torch_offsets)}' if torch_offsets else ''}: the placements (a split factor?) are "
-            "inconsistent with the data", tensor=name)
+            f"{f' at offsets {list(torch_offsets)}' if torch_offsets else ''}: the placements are inconsistent with "
+            "the data"
+            + ("; FSDP2 over tensor parallelism stores an unevenly divided dimension in a layout its "
+               "_StridedShard placement does not describe (torch's own full_tensor() is unreliable there): pad the "
+               "dimension to a multiple of the mesh sizes, or redistribute before saving"
+               if any("_StridedShard" in t for t in texts) else ""), tensor=name)
     held = [Held(box, local[tuple(slice(w, w + n) for w, n in zip(within, box[1]))], contribution)
             for box, within in pieces]
     return held, layout

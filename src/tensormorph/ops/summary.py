@@ -6,7 +6,6 @@ from collections import Counter
 from typing import Any
 
 from ..core import Checkpoint, Chunk, LogicalTensor
-from ..tmformat.layout import partial_mesh_dims
 from .tree import module_tree
 
 
@@ -15,8 +14,7 @@ def split_description(tensor: LogicalTensor) -> str:
     encoding = stored_encoding(tensor)
     detail = f", {encoding['description']}" if encoding else ""
     if tensor.reduction is not None:
-        dims = partial_mesh_dims(tensor.placement.placements) if tensor.placement else ()
-        detail = f", {tensor.reduction.describe(dims)}{detail}"
+        detail = f", {tensor.reduction.describe()}{detail}"
     if tensor.is_placement_sharded:
         ranks = sorted({r for c in tensor.chunks for r in c.ranks})
         who = f", ranks {_ranges(ranks)}" if ranks else ""
@@ -62,7 +60,7 @@ def tensor_record(tensor: LogicalTensor, *, chunks: bool = True) -> dict[str, An
             "mesh_dim_names": list(tensor.placement.mesh_dim_names or [])},
         "reduction": None if tensor.reduction is None else {
             "op": tensor.reduction.op, "contributions": tensor.reduction.contributions,
-            "mesh_dims": list(partial_mesh_dims(tensor.placement.placements) if tensor.placement else ())},
+            "mesh_dims": list(tensor.reduction.mesh_dims)},
         "chunk_count": len(tensor.chunks),
         "encoding": stored_encoding(tensor),
     }

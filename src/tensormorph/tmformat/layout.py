@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from bisect import bisect_right
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -88,15 +89,40 @@ def parse_spec(text: str, ndim: int | None = None) -> Spec:
 Segments = list[tuple[int, int]]  # (global start, length) along one dimension, in the local tensor's order
 
 
-def _take(segments: Segments, begin: int, end: int) -> Segments:
-    """The part [begin, end) of the concatenation of `segments`, as segments."""
-    out, position = [], 0
-    for start, length in segments:
-        low, high = max(begin, position), min(end, position + length)
+def _take(segments: Segments, starts: list[int], begin: int, end: int) -> Segments:
+    """The part [begin, end) of the concatenation of `segments` (`starts`: where each begins in it)."""
+    out = []
+    at = max(0, bisect_right(starts, begin) - 1)
+    while at < len(segments) and starts[at] < end:
+        start, length = segments[at]
+        low, high = max(begin, starts[at]), min(end, starts[at] + length)
         if low < high:
-            out.append((start + low - position, high - low))
-        position += length
+            out.append((start + low - starts[at], high - low))
+        at += 1
     return out
+
+
+def _share(length: int, split: int, mesh_size: int, index: int, budget: int,
+           placements: Sequence[str]) -> tuple[list[tuple[int, int]], int]:
+    """The local ranges [begin, end) that rank `index` of `mesh_size` keeps of a piece of `length` under a split
+    factor `split` (1 for Shard), and where an empty share begins. In closed form: `torch.chunk` gives parts of
+    ceil(length / split) elements (the last one shorter, later ones empty), and each part is split alike, so a
+    factor chosen by a file costs nothing; more than `budget` ranges is refused before any is made."""
+    if length == 0:
+        return [], 0
+    step = -(-length // split)
+    parts = -(-length // step)
+    begin, end = shard_range(step, mesh_size, index)  # within a whole part
+    last = (parts - 1) * step
+    last_begin, last_end = shard_range(length - last, mesh_size, index)
+    count = (parts - 1) * (end > begin) + (last_end > last_begin)
+    if count > budget:
+        raise CheckpointError(f"placements {list(placements)} give a rank more than {MAX_LOCAL_PIECES} boxes of "
+                              "a tensor")
+    ranges = [(p * step + begin, p * step + end) for p in range(parts - 1)] if end > begin else []
+    if last_end > last_begin:
+        ranges.append((last + last_begin, last + last_end))
+    return ranges, begin if parts > 1 else last_begin
 
 
 def local_pieces(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[str],
@@ -110,18 +136,13 @@ def local_pieces(shape: Sequence[int], mesh_shape: Sequence[int], placements: Se
         if spec.dim is None:
             continue
         segments = along[spec.dim]
-        length = sum(n for _, n in segments)
-        taken: Segments = []
-        first = None
-        # Shard is _StridedShard with one part; past `length` parts every part is empty (torch.chunk's ceil
-        # division gives parts of one element), so a split factor from a file costs no more than the dimension
-        for part in range(min(spec.split_factor, max(1, length))):
-            part_begin, part_end = shard_range(length, spec.split_factor, part)
-            begin, end = shard_range(part_end - part_begin, mesh_size, index)
-            first = part_begin + begin if first is None else first
-            taken += _take(segments, part_begin + begin, part_begin + end)
+        starts = list(itertools.accumulate((n for _, n in segments), initial=0))
+        others = math.prod(max(1, len(s)) for d, s in enumerate(along) if d != spec.dim)
+        ranges, first = _share(starts[-1], spec.split_factor, mesh_size, index, MAX_LOCAL_PIECES // others,
+                               placements)
+        taken = [piece for low, high in ranges for piece in _take(segments, starts, low, high)]
         # an empty share is an empty box where it would begin, as torch and DCP place it
-        along[spec.dim] = _merged(taken) or [(_position(segments, first or 0), 0)]
+        along[spec.dim] = _merged(taken) or [(_position(segments, first), 0)]
         if math.prod(max(1, len(s)) for s in along) > MAX_LOCAL_PIECES:
             raise CheckpointError(f"placements {list(placements)} give a rank more than {MAX_LOCAL_PIECES} boxes "
                                   f"of a tensor of shape {list(shape)}")

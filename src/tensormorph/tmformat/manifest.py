@@ -23,7 +23,7 @@ from .. import dtypes
 from ..errors import CheckpointError, ChecksumError, HeaderError, UnsupportedError
 from ..reduction import Reduction, check_reducible
 from .checksums import CHECKSUM_BLOCK
-from .layout import contribution_of, parse_spec, reduce_op
+from .layout import contribution_of, parse_spec, partial_mesh_dims, reduce_op
 from .parity import MAX_SEGMENT, MAX_STEP_BYTES, parse_scheme
 
 FORMAT = "tensormorph"
@@ -44,6 +44,7 @@ memory: 16.8 M values, about 730,000 chunks of 2-D tensors (23 values a chunk; a
 under FSDP on 512 ranks has ~450,000). Measured at this limit, the worst shape (small dicts among the objects)
 grows memory by 2.1 GiB (1.2 GiB for empty lists; 2.6 GiB with one 465 MB string besides), beyond the bytes read.
 Manifest.to_bytes refuses to write a manifest over either limit, so no save commits what no reader opens."""
+MAX_MESH_DIMS = 64  # more mesh dimensions than any run has (numpy's own limit on array dimensions)
 _STRUCTURE = b",[{:"  # a JSON value is the first in its container or follows a comma; each key precedes a colon
 _TEXT_PIECE = 1 << 24  # characters of the canonical text encoded at a time when checksumming it
 
@@ -90,7 +91,9 @@ class TensorRecord:
         op = reduce_op(self.placements or ())
         if op is None or self.mesh is None:
             return None
-        return Reduction(op, contribution_of(self.mesh, self.placements or (), (0,) * len(self.mesh))[1])
+        placements = self.placements or ()
+        return Reduction(op, contribution_of(self.mesh, placements, (0,) * len(self.mesh))[1],
+                         partial_mesh_dims(placements))
 
     def to_json(self) -> dict[str, Any]:
         record: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape)}
@@ -411,9 +414,11 @@ def _tensor(name: str, info: Any, files: dict[str, FileRecord], where: str) -> T
         holders = raw.get("holders", [])
         if not isinstance(holders, list) or not all(isinstance(h, int) for h in holders):
             raise HeaderError("chunk holders must be a list of ranks", file=where, tensor=name)
+        contribution = raw.get("contribution", 0)
+        if not isinstance(contribution, int) or isinstance(contribution, bool) or contribution < 0:
+            _fail(f"chunk contribution must be an integer >= 0, found {_brief(contribution)}", where, name)
         chunks.append(ChunkRecord(file, offsets, chunk_shape, (begin, end), crcs,
-                                  _int(raw.get("rank"), "rank", where), tuple(holders),
-                                  _int(raw.get("contribution", 0), "contribution", where)))
+                                  _int(raw.get("rank"), "rank", where), tuple(holders), contribution))
     mesh = info.get("mesh")
     if mesh is None:
         if any(c.contribution for c in chunks):
@@ -422,6 +427,9 @@ def _tensor(name: str, info: Any, files: dict[str, FileRecord], where: str) -> T
     mesh = _dict(mesh, "mesh", where, name)
     placements = info.get("placements")
     mesh_shape = _shape(mesh.get("shape"), where, name)
+    if len(mesh_shape) > MAX_MESH_DIMS or not all(mesh_shape):
+        _fail(f"mesh shape {_brief(list(mesh_shape))} must have 1 to {MAX_MESH_DIMS} dimensions, each of at least "
+              "one rank", where, name)
     if (not isinstance(placements, list) or len(placements) != len(mesh_shape)
             or not all(isinstance(p, str) for p in placements)):
         raise HeaderError(f"placements {_brief(placements)} do not match the mesh {_brief(list(mesh_shape))}",

@@ -50,7 +50,8 @@ def checked_chunks(name: str, record: TensorRecord, where: str,
 
 
 def _needs_layout_check(record: TensorRecord) -> bool:
-    if record.mesh is None or not record.mesh_ranks:
+    """Under _StridedShard or Partial, for a tensor with elements (an empty one stores no chunk to misplace)."""
+    if record.mesh is None or math.prod(record.shape) == 0:
         return False
     kinds = {parse_spec(p, len(record.shape)).kind for p in record.placements or ()}
     return bool(kinds & {"strided", "partial"})
@@ -61,7 +62,7 @@ def _check_holders(name: str, record: TensorRecord, where: str) -> None:
     mesh = record.mesh or ()
     placements = record.placements or ()
     ranks = np.asarray(record.mesh_ranks, dtype=np.int64)
-    if len(ranks) != math.prod(mesh):
+    if len(ranks) != math.prod(mesh):  # none listed included: who holds a contribution decides how it loads
         raise HeaderError(f"its mesh {list(mesh)} lists {len(ranks)} ranks", file=where, tensor=name)
     order = np.argsort(ranks, kind="stable")  # looked up by bisection: a file chooses the ranks, hence hashes
     expected: dict[int, tuple[set[Box], int]] = {}  # by position in the mesh, computed once each
@@ -73,7 +74,7 @@ def _check_holders(name: str, record: TensorRecord, where: str) -> None:
                                        f"not in the tensor's mesh", file=where, tensor=name)
             position = int(order[at])
             if position not in expected:
-                coordinate = tuple(int(c) for c in np.unravel_index(position, mesh))
+                coordinate = _unravel(position, mesh)
                 try:
                     pieces = local_pieces(record.shape, mesh, placements, coordinate)
                     contribution = contribution_of(mesh, placements, coordinate)[0]
@@ -88,3 +89,12 @@ def _check_holders(name: str, record: TensorRecord, where: str) -> None:
                     f"mesh {list(mesh)} put that rank (boxes {sorted(boxes)[:4]}, contribution {contribution}): "
                     "the placements or their split factors are inconsistent with the stored chunks",
                     file=where, tensor=name)
+
+
+def _unravel(position: int, mesh: tuple[int, ...]) -> tuple[int, ...]:
+    """The mesh coordinate of a row-major position (any number of mesh dimensions; sizes are at least 1)."""
+    coordinate = []
+    for size in reversed(mesh):
+        position, index = divmod(position, size)
+        coordinate.append(index)
+    return tuple(reversed(coordinate))

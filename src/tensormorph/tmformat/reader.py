@@ -41,6 +41,7 @@ class BoxReader:
         self.bytes_read = 0
         self.blocks_verified = 0
         self._rebuilt: dict[str, memoryview] = {}  # damaged data files rebuilt from parity, in memory
+        self._grouped: dict[str, dict[int, list[ChunkRecord]]] = {}  # by tensor: its chunks by contribution
         self._lock = threading.Lock()
         self._restore_lock = threading.Lock()
 
@@ -79,9 +80,7 @@ class BoxReader:
     def _read_contribution(self, name: str, box: Box, out: np.ndarray, contribution: int) -> None:
         record = self.manifest.tensors[name]
         itemsize = dtypes.itemsize(record.dtype)
-        for chunk in record.chunks:
-            if chunk.contribution != contribution:
-                continue
+        for chunk in self._contributions(name).get(contribution, ()):
             overlap = intersect(box, (chunk.offsets, chunk.shape))
             if overlap is None:
                 continue
@@ -101,6 +100,17 @@ class BoxReader:
                 self._read_runs(name, chunk, runs, into)
             if buffer is not target:
                 target[...] = buffer
+
+    def _contributions(self, name: str) -> dict[int, list[ChunkRecord]]:
+        """A tensor's chunks grouped by contribution, made once: a box of a Partial tensor over many ranks reads
+        each contribution's chunks only."""
+        grouped = self._grouped.get(name)
+        if grouped is None:
+            grouped = {}
+            for chunk in self.manifest.tensors[name].chunks:
+                grouped.setdefault(chunk.contribution, []).append(chunk)
+            self._grouped[name] = grouped
+        return grouped
 
     def _read_runs(self, name: str, chunk: ChunkRecord, runs: list[tuple[int, int]], into: memoryview) -> None:
         """Runs relative to the chunk's first byte, read one after another into `into`, then checked."""

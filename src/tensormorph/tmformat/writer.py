@@ -105,8 +105,14 @@ def write_rank_file(f: OutputFile, rank: int,
     so the file is also a DCP sharded-safetensors file.
     """
     names, info = [], {}
+    taken = {piece.name for piece, _ in chunks}
     for piece, _ in chunks:  # a rank's further boxes of one tensor (_StridedShard) are named by their offsets
-        name = piece.name if piece.name not in info else f"{piece.name}@{','.join(map(str, piece.offsets))}"
+        name = piece.name
+        if name in info:
+            name = base = f"{piece.name}@{','.join(map(str, piece.offsets))}"
+            suffix = 1
+            while name in taken or name in info:  # another tensor may be called that: never a repeated key
+                name, suffix = f"{base}~{suffix}", suffix + 1
         names.append(name)
         info[name] = {"saved_offsets": list(piece.offsets)}
     metadata = {"format": "pt", SHARDING_KEY: json.dumps(info, separators=(",", ":")), "tensormorph_rank": str(rank)}

@@ -161,7 +161,7 @@ class Rules:
             return self._vocabulary(name, replicated(shapes[0], len(shapes)))
         if self._matched(self.lists[AVERAGED], name, AVERAGED):
             _check_equal_except(shapes, None, name, paths)
-            return averaged(shapes[0], len(shapes))
+            return self._vocabulary(name, averaged(shapes[0], len(shapes)))  # ds_to_universal cuts after any branch
         if self._matched(self.lists[TWO_SUB_PARAMS], name, TWO_SUB_PARAMS) or self.sub_params.matches(name):
             return Unmerged("a sub-parameter layout (fused parameters split per sub-parameter), which this reader "
                             "does not rebuild")

@@ -136,7 +136,7 @@ def _check_same_shape(held: list[LogicalTensor], name: str, paths: list[str]) ->
 
 def _merged(name: str, split: Split, held: list[LogicalTensor], mp_ranks: int) -> LogicalTensor:
     """The logical tensor: each rank's chunks placed by its blocks."""
-    partial = split.placement == "Partial(avg)"  # each rank's copy is a contribution
+    partial = split.placement.startswith("Partial(avg)")  # each rank's copy is a contribution (maybe cut)
     chunks: list[list[Chunk]] = [[] for _ in held] if partial else [[]]
     for mp, (tensor, blocks) in enumerate(zip(held, split.blocks)):
         for block in blocks:
@@ -153,7 +153,7 @@ def _merged(name: str, split: Split, held: list[LogicalTensor], mp_ranks: int) -
                               ("mp", *(inner.mesh_dim_names or ())))
     tiled = tuple(c for group in chunks for c in validate_tiling(name, split.shape, group))
     return LogicalTensor(name, held[0].dtype, split.shape, tiled, placement,
-                         reduction=Reduction("avg", mp_ranks) if partial else None)
+                         reduction=Reduction("avg", mp_ranks, (0,)) if partial else None)
 
 
 def _placed(chunk: Chunk, hit: tuple[tuple[int, ...], tuple[int, ...]], block: Block, name: str) -> Chunk:
