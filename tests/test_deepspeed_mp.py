@@ -317,3 +317,12 @@ def test_inspect_and_the_viewer_describe_an_averaged_parameter(built: Path) -> N
     with TestClient(create_app([folder])) as client:
         info = client.get("/api/checkpoints/a/tensor", params={"name": "norm.bias"})
         assert info.status_code == 200 and info.json()["reduction"]["op"] == "avg"
+
+
+def test_a_backtracking_pattern_is_refused_not_run_for_hours() -> None:
+    from tensormorph.formats.deepspeed.splits import MATCH_TIMEOUT_S, Rules
+
+    rules = Rules({"tp_replicated_parameter_patterns": ["(a|aa)+$"]}, "mp_rank_00_model_states.pt")
+    with pytest.raises(HeaderError, match=f"takes over {MATCH_TIMEOUT_S} s") as caught:
+        rules.split("a" * 60 + "!", [(2,), (2,)], ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"])
+    assert caught.value.tensor == "a" * 60 + "!"

@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import regex
+
 from ...errors import HeaderError
 from ...geometry import intersect
 
@@ -28,6 +30,11 @@ INFO_KEY = "universal_checkpoint_info"
 AFFINE_VERSION = 1  # the affine-map encoding read here (DeepSpeed's AFFINE_MAP_FORMAT_VERSION)
 MAX_PATTERNS = 100_000  # patterns per list; each parameter is matched against all of them
 MAX_PATTERN_CHARS = 4096
+MATCH_TIMEOUT_S = 0.5
+"""A pattern from the file is matched with this timeout: a backtracking pattern ((a|aa)+$) could take hours."""
+MAX_MATCHES = 5_000_000
+"""Most pattern-against-name matches one checkpoint may ask for (patterns that are not one literal name, times
+the parameters): beyond it, reading the layout would take minutes."""
 
 REPLICATED = "tp_replicated_parameter_patterns"
 AVERAGED = "parameter_to_average_patterns"
@@ -68,9 +75,10 @@ class Patterns:
     exactly (`^name$`: AutoTP writes one per parameter) are looked up by name, so matching every parameter stays
     linear in the parameters rather than their product with the patterns."""
 
-    def __init__(self, items: list[tuple[re.Pattern[str], Any]]) -> None:
+    def __init__(self, items: list[tuple[regex.Pattern[str], Any]], budget: list[int], path: str) -> None:
+        self.budget, self.path = budget, path  # the budget is shared by every Patterns of one checkpoint
         self.exact: dict[str, list[tuple[str, Any]]] = {}
-        self.other: list[tuple[re.Pattern[str], Any]] = []
+        self.other: list[tuple[regex.Pattern[str], Any]] = []
         for pattern, value in items:
             literal = _literal(pattern.pattern)
             if literal is None:
@@ -80,7 +88,18 @@ class Patterns:
 
     def matches(self, name: str) -> list[tuple[str, Any]]:
         """(pattern, value) of every pattern that matches `name`."""
-        return self.exact.get(name, []) + [(p.pattern, v) for p, v in self.other if p.match(name)]
+        self.budget[0] -= len(self.other)
+        if self.budget[0] < 0:
+            raise HeaderError(f"{INFO_KEY} asks for more than {MAX_MATCHES:,} pattern matches", file=self.path)
+        found = self.exact.get(name, [])
+        for pattern, value in self.other:
+            try:
+                if pattern.match(name, timeout=MATCH_TIMEOUT_S):
+                    found = [*found, (pattern.pattern, value)]
+            except TimeoutError:
+                raise HeaderError(f"{INFO_KEY} pattern {pattern.pattern[:80]!r} takes over {MATCH_TIMEOUT_S} s to "
+                                  "match one name", file=self.path, tensor=name) from None
+        return found
 
 
 def _literal(pattern: str) -> str | None:
@@ -99,21 +118,24 @@ class Rules:
         if not isinstance(info, dict):
             raise HeaderError(f"{INFO_KEY} should be a dict, found {type(info).__name__}", file=path)
         self.path = path
-        self.lists = {key: Patterns([(p, None) for p in self._patterns(info, key)])
+        budget = [MAX_MATCHES]
+        self.lists = {key: Patterns([(p, None) for p in self._patterns(info, key)], budget, path)
                       for key in (REPLICATED, AVERAGED, ROW_PARALLEL, VOCABULARY, TWO_SUB_PARAMS)}
         self.sub_params = Patterns([(p, None) for entry in self._list(info, SUB_PARAMS) for p in self._patterns(
-            entry if isinstance(entry, dict) else {}, "patterns", f"{SUB_PARAMS} entry")])
+            entry if isinstance(entry, dict) else {}, "patterns", f"{SUB_PARAMS} entry")], budget, path)
         unsupported = info.get(UNSUPPORTED) or {}
         if not isinstance(unsupported, dict):
             raise HeaderError(f"{INFO_KEY}[{UNSUPPORTED!r}] should map patterns to reasons", file=path)
-        self.unsupported = Patterns([(self._compile(p, UNSUPPORTED), str(r)) for p, r in unsupported.items()])
+        self.unsupported = Patterns([(self._compile(p, UNSUPPORTED), str(r)) for p, r in unsupported.items()],
+                                    budget, path)
         vocab = info.get("original_vocab_size")
         self.vocab_size = vocab if type(vocab) is int and vocab >= 0 else None
         affine = info.get("affine_map") or {}
         if not isinstance(affine, dict) or not isinstance(affine.get("params", {}), dict):
             raise HeaderError(f"{INFO_KEY}['affine_map'] should be a dict with a 'params' dict", file=path)
         self.affine_version = affine.get("version", AFFINE_VERSION)
-        self.affine = Patterns([(self._compile(p, "affine_map"), e) for p, e in affine.get("params", {}).items()])
+        self.affine = Patterns([(self._compile(p, "affine_map"), e) for p, e in affine.get("params", {}).items()],
+                               budget, path)
 
     def _list(self, info: dict, key: str) -> list:
         value = info.get(key) or []
@@ -122,16 +144,16 @@ class Rules:
                               f"{type(value).__name__}", file=self.path)
         return value
 
-    def _patterns(self, info: dict, key: str, where: str | None = None) -> list[re.Pattern[str]]:
+    def _patterns(self, info: dict, key: str, where: str | None = None) -> list[regex.Pattern[str]]:
         return [self._compile(p, where or key) for p in self._list(info, key)]
 
-    def _compile(self, pattern: Any, key: str) -> re.Pattern[str]:
+    def _compile(self, pattern: Any, key: str) -> regex.Pattern[str]:
         if not isinstance(pattern, str) or len(pattern) > MAX_PATTERN_CHARS:
             raise HeaderError(f"{INFO_KEY}[{key!r}] holds {str(pattern)[:80]!r}, not a pattern of at most "
                               f"{MAX_PATTERN_CHARS} characters", file=self.path)
         try:
-            return re.compile(pattern)
-        except re.error as exc:
+            return regex.compile(pattern)  # the regex module's default (VERSION0) matches as re does
+        except regex.error as exc:
             raise HeaderError(f"{INFO_KEY}[{key!r}] holds {pattern[:80]!r}, not a regular expression: {exc}",
                               file=self.path) from None
 
