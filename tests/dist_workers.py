@@ -179,6 +179,12 @@ def placements_alone_worker(rank: int, port: int, out: str, world: int, path: st
         tm.load(f"{path}-{label}", {"t": replicated})
         record[label] = {"full": tensor.full_tensor().tolist(), "restored": target.to_local().tolist(),
                          "local": local.tolist(), "into_replicate": replicated.to_local().tolist()}
+        # a Partial target of another layout gets shares that reduce to the value exactly
+        for op in ("sum", "max"):
+            other = DTensor.from_local(torch.zeros(tuple(tensor.shape)), mesh, [Partial(op)], run_check=False)
+            tm.load(f"{path}-{label}", {"t": other})
+            record[label][f"into_partial_{op}"] = {"full": other.full_tensor().tolist(),
+                                                   "local": other.to_local().tolist()}
     _write(out, rank, record)
 
 

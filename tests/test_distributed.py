@@ -248,6 +248,16 @@ def test_partial_and_strided_shard_alone_save_read_and_load_exactly(tmp_path):
             mine = record[label]
             assert mine["restored"] == mine["local"], (label, rank)  # a same-mesh load restores each local
             assert np.asarray(mine["into_replicate"], np.float32).tobytes() == full.tobytes()
+            for op in ("sum", "max"):
+                other = mine[f"into_partial_{op}"]
+                assert np.asarray(other["full"], np.float32).tobytes() == full.tobytes(), (label, op)
+                share = np.asarray(other["local"], np.float32)
+                if label == "partial" and op == "sum":  # the layout it was saved with: its own contribution back
+                    assert share.tobytes() == np.asarray(mine["local"], np.float32).tobytes()
+                elif op == "sum" and rank:  # the first contribution holds the value, the others -0.0
+                    assert share.tobytes() == np.full_like(share, -0.0).tobytes()
+                else:  # max: every contribution holds the value
+                    assert share.tobytes() == full.tobytes()
     partial = tm.open(tmp_path / "ck-partial")["t"]
     assert partial.placement.placements == ("Partial(sum)",) and partial.reduction.contributions == 2
     assert [partial.local(r).tolist() for r in range(2)] == [np.float32(records[r]["partial"]["local"]).tolist()
