@@ -269,3 +269,96 @@ def test_memory_and_disk_lost_the_run_resumes_from_the_object_store(tmp_path, s3
     last = Checkpointer(tmp_path / "run", keep=2, **tiers)
     assert last.resume(model=newest, optimizer=newest_opt) == 14 and last.resumed_from == "memory"
     last.close()
+
+
+# ---- SIGKILL at random moments: a snapshot, a peer copy or a drain cut short is never resumed ------------------
+
+TRIALS = 20
+
+
+def _ready(log: Path) -> tuple[int, str, bool]:
+    from test_train import _wait_line
+
+    _, step, tier, exact = _wait_line(log, "READY ").split()
+    return int(step), tier, exact == "True"
+
+
+def _saved(log: Path) -> list[int]:
+    return [int(line.split()[1]) for line in log.read_text().splitlines() if line.startswith("SAVED ")]
+
+
+def test_sigkill_during_memory_snapshots_never_resumes_an_incomplete_step(zygote, tmp_path):  # noqa: F811
+    import random
+    import signal
+    import time
+
+    import crash_loop
+
+    root, shm = tmp_path / "run", tmp_path / "shm"
+    chance = random.Random(20261201)
+    last_seen, cut_short, from_memory = 0, 0, 0
+    for trial in range(TRIALS):
+        mode = ["--async"] if trial % 2 else []
+        log = tmp_path / f"trial-{trial}.log"
+        pid = zygote.spawn("crash_loop:main", ["--root", str(root), "--memory-dir", str(shm), *mode], log)
+        ready, _, exact = _ready(log)
+        assert (ready, exact) == (last_seen, True), f"trial {trial} resumed {ready}, the newest whole was {last_seen}"
+        time.sleep(chance.uniform(0.0, 0.25))
+        zygote.kill(pid)
+        assert zygote.wait(pid) == -signal.SIGKILL
+        saved = _saved(log)
+        folder = next(run_folder(root.absolute(), shm).glob("*/rank-00000"))
+        cut_short += any(p.name.startswith(".") and p.is_dir() for p in folder.iterdir())
+
+        ckpt = Checkpointer(root, keep=2, memory_every=1, disk_every=3, memory_dir=shm,
+                            release_memory_on_close=False)
+        assert not [p for p in folder.iterdir() if p.name.startswith(".") and p.is_dir()]  # leftovers removed
+        model = crash_loop.build_model()
+        got = ckpt.resume(model=model)
+        last = saved[-1] if saved else ready
+        assert (last - 1 if saved and mode else last) <= got <= last + 1, (trial, saved[-3:], got)
+        assert all(torch.equal(p.detach(), crash_loop.expected(got)[n]) for n, p in model.named_parameters())
+        from_memory += ckpt.resumed_from == "memory"
+        ckpt.close()
+        last_seen = got
+    assert cut_short >= 3, f"only {cut_short} of {TRIALS} kills landed inside a snapshot"
+    assert from_memory >= TRIALS // 2
+    cleaned = CliRunner().invoke(main, ["tiers", "clean", str(root), "--memory-dir", str(shm)])
+    assert cleaned.exit_code == 0, cleaned.output
+    assert not run_folder(root.absolute(), shm).exists() and not any(shm.rglob("*.safetensors"))
+
+
+def test_sigkill_during_peer_copies_never_resumes_an_incomplete_step(zygote, tmp_path):  # noqa: F811
+    """Two ranks on two simulated nodes copy each snapshot to each other; killed at random moments, and every
+    other time node b's memory lost: the next run resumes a step that every rank holds whole, exactly."""
+    import random
+    import signal
+    import socket
+    import time
+
+    root, shm = tmp_path / "run", tmp_path / "shm"
+    chance = random.Random(1201)
+    last_seen, via_peer = 0, 0
+    for trial in range(TRIALS):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        logs = [tmp_path / f"peer-{trial}-{rank}.log" for rank in range(2)]
+        pids = [zygote.spawn("crash_loop:main", ["--root", str(root), "--memory-dir", str(shm), "--peers", "--async",
+                                                 "--world", "2", "--rank", str(rank), "--port", str(port),
+                                                 "--nodes", "a,b"], logs[rank]) for rank in range(2)]
+        ready, tier, exact = _ready(logs[0])
+        # whole (every parameter exact), and never behind the last resume point: a resume hands its step to the
+        # buddies again, so a copy lags its snapshot by at most the copy in flight when the kill came
+        assert exact and ready >= last_seen, (trial, ready, tier, last_seen, logs[0].read_text()[-600:])
+        via_peer += tier == "peer"
+        time.sleep(chance.uniform(0.0, 0.3))
+        for pid in pids:
+            zygote.kill(pid)
+        codes = [zygote.wait(pid) for pid in pids]
+        # rank 1 may see rank 0 die first, in a collective, and exit on its own before its own SIGKILL lands
+        assert codes[0] == -signal.SIGKILL and codes[1] in (-signal.SIGKILL, 1), (codes, logs[1].read_text()[-1500:])
+        last_seen = ready
+        if trial % 2 == 0:  # node b is lost with its memory: its rank must get its snapshot from node a's copy
+            shutil.rmtree(next(run_folder(root.absolute(), shm).glob("b")), ignore_errors=True)
+    assert via_peer >= TRIALS // 4, f"only {via_peer} runs were restored from a peer's copy"

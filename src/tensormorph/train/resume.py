@@ -154,6 +154,8 @@ class Resumer:
             outcomes = self._control.everyone(load_mine, label="memory snapshot: ")
             failed = [o for o in outcomes if not o.ok]
             if not failed:
+                if self._peers is not None:  # the buddies hold this step again: a copy never lags behind a resume
+                    self._peers.exchange(snapshot)
                 for rank, position in enumerate(self._control.gather(target.get(f"data.rank{self._control.rank}"))):
                     target[f"data.rank{rank}"] = position  # every rank's, as a disk checkpoint holds them
                 step, extra = self._apply(choice.path, outcomes[self._control.rank].unwrap(), target, model, given,
