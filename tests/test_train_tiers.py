@@ -14,6 +14,7 @@ from test_train import Run, _assert_same_as
 from test_train import zygote as zygote  # the module fixture, re-exported for the two-rank test
 from torch import nn
 
+import tensormorph as tm
 from tensormorph.cli import main
 from tensormorph.errors import ChecksumError
 from tensormorph.train import Checkpointer
@@ -287,7 +288,7 @@ def _saved(log: Path) -> list[int]:
     return [int(line.split()[1]) for line in log.read_text().splitlines() if line.startswith("SAVED ")]
 
 
-def test_sigkill_during_memory_snapshots_never_resumes_an_incomplete_step(zygote, tmp_path):  # noqa: F811
+def test_sigkill_during_memory_snapshots_never_resumes_an_incomplete_step(zygote, tmp_path):
     import random
     import signal
     import time
@@ -328,7 +329,7 @@ def test_sigkill_during_memory_snapshots_never_resumes_an_incomplete_step(zygote
     assert not run_folder(root.absolute(), shm).exists() and not any(shm.rglob("*.safetensors"))
 
 
-def test_sigkill_during_peer_copies_never_resumes_an_incomplete_step(zygote, tmp_path):  # noqa: F811
+def test_sigkill_during_peer_copies_never_resumes_an_incomplete_step(zygote, tmp_path):
     """Two ranks on two simulated nodes copy each snapshot to each other; killed at random moments, and every
     other time node b's memory lost: the next run resumes a step that every rank holds whole, exactly."""
     import random
@@ -362,3 +363,42 @@ def test_sigkill_during_peer_copies_never_resumes_an_incomplete_step(zygote, tmp
         if trial % 2 == 0:  # node b is lost with its memory: its rank must get its snapshot from node a's copy
             shutil.rmtree(next(run_folder(root.absolute(), shm).glob("b")), ignore_errors=True)
     assert via_peer >= TRIALS // 4, f"only {via_peer} runs were restored from a peer's copy"
+
+
+def test_sigkill_during_the_drain_never_leaves_a_broken_copy(zygote, tmp_path, s3):
+    """Killed at random moments while copies go to the object store: every checkpoint the store lists opens and
+    holds exactly its step's values, and a run that lost its disk resumes the newest of them."""
+    import random
+    import signal
+    import time
+
+    import crash_loop
+
+    from tensormorph.train.manager import CheckpointManager
+
+    url, options = "s3://tiers/drained", s3.storage_options
+    chance = random.Random(61)
+    copies_seen: set[int] = set()
+    newest = 0
+    for trial in range(TRIALS):
+        log = tmp_path / f"drain-{trial}.log"
+        root = tmp_path / f"run-{trial % 2}"  # two local disks take turns, as two machines would
+        pid = zygote.spawn("crash_loop:main", ["--root", str(root), "--remote", url, "--remote-options",
+                                               json.dumps(options), *(["--async"] if trial % 2 else [])], log)
+        ready, tier, exact = _ready(log)
+        assert exact and ready == newest and tier == ("remote" if newest else "None"), (trial, ready, tier, newest)
+        time.sleep(chance.uniform(0.05, 0.6))
+        zygote.kill(pid)
+        assert zygote.wait(pid) == -signal.SIGKILL
+        stored = CheckpointManager(url, None, options).list()
+        for info in stored:  # each copy listed is whole: its manifest was PUT after every file
+            model = crash_loop.build_model()
+            report = tm.load(str(info.path), {"model": dict(model.state_dict())}, strict=False,
+                             storage_options=options)
+            assert report.tensors_loaded == 4
+            assert all(torch.equal(p.detach(), crash_loop.expected(info.step)[n]) for n, p in model.named_parameters())
+            copies_seen.add(info.step)
+        assert not stored or stored[-1].step == max(i.step for i in stored)  # commit order goes on across runs
+        newest = stored[-1].step if stored else newest
+        shutil.rmtree(root, ignore_errors=True)  # this machine's disk is lost: the next run has the store only
+    assert len(copies_seen) >= 3

@@ -107,6 +107,10 @@ class Checkpointer:
         self._closed = False
         self._control.barrier()
         self._seq = self._control.decide(self._manager.prepare, "cannot use the folder", self.root)
+        if remote_manager is not None:  # commit order continues the object store's, whatever the disk lost
+            self._seq = max(self._seq, self._control.decide(
+                lambda: max((i.seq for i in remote_manager.list()), default=0), "cannot list the object store",
+                remote_manager.root))
 
     @property
     def root(self) -> AnyPath:
