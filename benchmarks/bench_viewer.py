@@ -15,12 +15,22 @@
    page by a MutationObserver (performance.now(), origin = navigation start); the Python wall time from
    goto() to wait_for_function() is kept too. First load after drop_caches reported apart; then medians of
    warm loads. Anchor: `tensormorph.open` + `describe(ck, chunks=False)` of the folder (the server's share).
+4. Tile bytes before/after compression (issue 20): exact and approximate tiles of the real MiniLM's word
+   embeddings (30522x384, fp32, and a bf16 copy), 1024x384 px, through the HTTP API, with Accept-Encoding
+   identity, gzip and zstd, byte planes shuffled or not; the bytes on the wire and the server time (warm).
+5. "Go to NaN" (issue 20) on the 4 GiB tensor with one NaN at its last element (the search reads it all),
+   cold, through the library (ops.search.search) and the HTTP endpoint (NDJSON until the final line). Anchor:
+   one sequential read of the file, cold. Target: <= 1.2x that read.
+
+`python -m benchmarks.bench_viewer --issue20` runs only 4 and 5 (bench_viewer_find.py) and merges them into
+results/viewer.json.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -81,7 +91,8 @@ def expected(n: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
     return ((index * np.uint32(MULT)) & np.uint32(MASK)).astype(np.float32)
 
 
-def build_tensor(path: Path, n: int) -> int:
+def build_tensor(path: Path, n: int, *, nan_last: bool = False) -> int:
+    """The n x n hash tensor; with nan_last its last element is NaN."""
     from tensormorph.tmformat.stream import TensorSpec, write_file
 
     cols = np.arange(n)
@@ -89,7 +100,10 @@ def build_tensor(path: Path, n: int) -> int:
 
     def blocks() -> Iterator[np.ndarray]:
         for r in range(0, n, step):
-            yield expected(n, np.arange(r, min(n, r + step)), cols)
+            block = expected(n, np.arange(r, min(n, r + step)), cols)
+            if nan_last and r + step >= n:
+                block[-1, -1] = np.nan
+            yield block
 
     return write_file(path, [(TensorSpec(TENSOR, "F32", (n, n)), blocks())])
 
@@ -336,7 +350,7 @@ def main() -> None:
         big.parent.mkdir()
         small.parent.mkdir()
         t0 = time.perf_counter()
-        build_tensor(big, BIG)
+        build_tensor(big, BIG, nan_last=True)  # one NaN, for "go to NaN"; tiles sample or aggregate around it
         build_tensor(small, SMALL)
         print(f"wrote {fmt_bytes(big.stat().st_size)} + {fmt_bytes(small.stat().st_size)} safetensors in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
@@ -357,6 +371,9 @@ def main() -> None:
         exact = exact_runs(big, BIG, started + BUDGET_S)
         print(f"exact tiles done at {time.perf_counter() - started:.0f} s: tile {fmt_s(exact['tile_s']['median'])}, "
               f"sequential read {fmt_s(exact['sequential_read_s']['median'])}", flush=True)
+        from .bench_viewer_find import run_issue20
+
+        packed, nan, new_rows = run_issue20(work, big)
         big.unlink()
 
     rows = []
@@ -403,11 +420,17 @@ def main() -> None:
         "sizes": {"big": [BIG, BIG], "small": [SMALL, SMALL], "dtype": "F32", "pixels": [PX, PX],
                   "architecture": {"files": 1000, "tensors": 20_000}},
         "approximate_library": approx, "approximate_http": http, "exact": exact, "architecture": arch,
+        "compression": packed, "goto_nan": nan,
         "total_s": time.perf_counter() - started,
-        "rows": rows,
+        "rows": rows + new_rows,
     })
     print(f"total {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":
-    main()
+    if "--issue20" in sys.argv[1:]:
+        from .bench_viewer_find import main_issue20
+
+        main_issue20()
+    else:
+        main()

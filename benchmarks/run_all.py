@@ -30,6 +30,7 @@ BENCHMARKS = [
     ("bench_placements", "placements"),
     ("bench_redundancy", "redundancy"),
     ("bench_train_async", "train_async"),
+    ("bench_tiers", "tiers"),
     ("bench_plan", "plan"),
     ("bench_tiling", "tiling"),
     ("bench_remote", "remote"),

@@ -25,3 +25,16 @@ if not CHROMIUM.is_file():  # pragma: no cover - depends on the machine
     pytest.skip(f"BROWSER TESTS SKIPPED: {CHROMIUM} is missing (apt-get install chromium); "
                 "no browser is downloaded", allow_module_level=True)
 
+
+
+def write_safetensors(folder: Path, tensors: dict, config: dict | None = None) -> Path:
+    """A one-file safetensors checkpoint in `folder` (made by the safetensors library), with a config.json."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder

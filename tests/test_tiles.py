@@ -47,14 +47,32 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def reference_flags(region: np.ndarray, sy: int, sx: int) -> np.ndarray:
+    """The "nonfinite" field: per block, 1 if it holds a NaN, | 2 for a +Inf, | 4 for a -Inf."""
+    out = np.zeros((ceil_div(region.shape[0], sy), ceil_div(region.shape[1], sx)), np.float32)
+    for i in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            block = region[i * sy:(i + 1) * sy, j * sx:(j + 1) * sx]
+            out[i, j] = 1 * np.isnan(block).any() + 2 * (block == np.inf).any() + 4 * (block == -np.inf).any()
+    return out
+
+
+def with_flags(fields: dict[str, np.ndarray], flags: np.ndarray) -> dict[str, np.ndarray]:
+    """A tile's fields end with "nonfinite" when any block holds a NaN or Inf (docs/viewer-api.md)."""
+    return {**fields, "nonfinite": flags} if flags.any() else fields
+
+
 def reference_tile(view: np.ndarray, r0: int, r1: int, c0: int, c1: int, h: int, w: int,
-                   exact: bool) -> dict[str, Any]:
-    """What a tile must hold, block by block: {"step", "fields": {name: float32 array}, "nan", "inf", "data"}."""
+                   exact: bool, complete: bool = True) -> dict[str, Any]:
+    """What a tile must hold, block by block: {"step", "fields": {name: float32 array}, "nan", "inf", "data"}.
+    `complete`: an approximate tile's flags cover whole blocks (the server knows the tensor's non-finite
+    positions), not only its samples."""
     sy, sx = ceil_div(r1 - r0, h), ceil_div(c1 - c0, w)
     region = view[r0:r1, c0:c1]
     if (sy, sx) == (1, 1) or not exact:
         sample = region[::sy, ::sx]
-        return {"step": (sy, sx), "fields": {"value": sample.astype(np.float32)},
+        flags = reference_flags(region, sy, sx) if complete else reference_flags(sample, 1, 1)
+        return {"step": (sy, sx), "fields": with_flags({"value": sample.astype(np.float32)}, flags),
                 "nan": int(np.isnan(sample).sum()), "inf": int(np.isinf(sample).sum()), "data": sample}
     rows, cols = ceil_div(r1 - r0, sy), ceil_div(c1 - c0, sx)
     out = {k: np.empty((rows, cols), np.float64) for k in ("mean", "min", "max", "absmax")}
@@ -70,7 +88,8 @@ def reference_tile(view: np.ndarray, r0: int, r1: int, c0: int, c1: int, h: int,
                 out["mean"][i, j] = kept.sum() / kept.size
             out["min"][i, j], out["max"][i, j] = kept.min(), kept.max()
             out["absmax"][i, j] = np.abs(kept).max()
-    return {"step": (sy, sx), "fields": {k: v.astype(np.float32) for k, v in out.items()},
+    return {"step": (sy, sx), "fields": with_flags({k: v.astype(np.float32) for k, v in out.items()},
+                                                   reference_flags(region, sy, sx)),
             "nan": int(np.isnan(region).sum()), "inf": int(np.isinf(region).sum()), "data": region}
 
 
@@ -104,14 +123,16 @@ def decode_tile(data: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 def check_tile(t: Any, view: np.ndarray, region: tuple[int, ...], exact: bool) -> dict[str, Any]:
     """Assert a Tile (object) equals the numpy reference; returns the reference."""
     r0, r1, c0, c1, h, w = region
-    expected = reference_tile(view, r0, r1, c0, c1, h, w, exact)
+    expected = reference_tile(view, r0, r1, c0, c1, h, w, exact, complete=False)  # no non-finite positions given
     sy, sx = expected["step"]
     assert t.step == (sy, sx)
     assert t.rows == (r0, r1) and t.cols == (c0, c1) and t.view_shape == view.shape
     assert t.shape == (ceil_div(r1 - r0, sy), ceil_div(c1 - c0, sx))
     assert t.approximate == (not exact and (sy, sx) != (1, 1))
     assert (t.nan, t.inf) == (expected["nan"], expected["inf"])
-    assert_fields_equal(t.fields, expected)
+    assert t.nonfinite_complete is (not t.approximate)
+    assert_fields_equal(with_flags(t.fields, t.mask.astype(np.float32) if t.mask is not None else np.zeros(1)),
+                        expected)
     return expected
 
 
@@ -226,7 +247,8 @@ def test_header_counts_and_encoding_round_trip(ck, truth):
         assert header["name"] == "model.extra.nonfinite" and header["view_shape"] == [33, 47]
         assert header["rows"] == [0, 33] and header["cols"] == [0, 47] and header["step"] == [4, 6]
         assert header["shape"] == [9, 8] and header["approximate"] is (not exact)
-        assert header["fields"] == (["mean", "min", "max", "absmax"] if exact else ["value"])
+        flagged = ["nonfinite"] if header["nonfinite_cells"] else []  # blocks holding a NaN or Inf (issue 20)
+        assert header["fields"] == (["mean", "min", "max", "absmax"] if exact else ["value"]) + flagged
         assert (header["nan"], header["inf"]) == (t.nan, t.inf)
         for key in t.fields:  # the same float32 bits, NaN included
             assert fields[key].tobytes() == t.fields[key].astype("<f4").tobytes()
@@ -368,5 +390,7 @@ def test_property_tiles_of_the_real_checkpoint(ck, truth, data):
     check_tile(t, view_of(truth[name], axes, fixed), region, exact)
     header, fields = decode_tile(t.encode())
     assert header["shape"] == list(t.shape)
+    sent = {**t.fields, **({"nonfinite": t.mask.astype(np.float32)} if t.mask is not None and t.flagged else {})}
+    assert list(fields) == list(sent)
     for key, values in fields.items():
-        assert values.tobytes() == t.fields[key].tobytes()
+        assert values.tobytes() == sent[key].tobytes()

@@ -4,7 +4,11 @@ Only the checkpoints named at start are served; request parameters select
 tensors and regions, never paths. Heavy work runs in worker threads; the guard
 (server_guard.py) checks Host, Origin and token on every route and bounds how
 many heavy requests run at once, so memory stays bounded under many
-simultaneous requests. Exact tiles are cached (tile_cache.py).
+simultaneous requests. Exact tiles are cached and tiles compressed (tile_cache.py).
+The viewer remembers each tensor's statistics (the scale every tile of it shares)
+and where its NaN and Inf are (flagged in approximate tiles too). Long work
+(search, verify) streams from server_streams.py; parameters parse in
+server_request.py. A folder holding only config.json opens for the Plan page.
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -30,15 +34,30 @@ from starlette.staticfiles import StaticFiles
 
 from .core import DEFAULT_READ_BUDGET, Checkpoint, LogicalTensor
 from .errors import CheckpointError, TensorNotFoundError
-from .formats import open_checkpoint
+from .formats import detect, open_checkpoint
 from .ops.diff import DiffReport, aligned_names, diff, parse_rename
-from .ops.stats import tensor_stats
+from .ops.search import NonFinite, nonfinite
+from .ops.stats import TensorStats, tensor_stats
 from .ops.summary import describe, tensor_record
-from .ops.tiles import MAX_PIXELS, View, histogram, tile
+from .ops.tiles import View, histogram, tile
 from .planner import Workload, plan
 from .planner.model import config_beside
 from .server_guard import Guard, is_loopback
-from .tile_cache import DISK_CACHE_BYTES, TileCache
+from .server_request import (
+    ApiError,
+    choice_param,
+    finite,
+    flag_param,
+    float_param,
+    int_param,
+    region,
+    view_of,
+    viewed,
+)
+from .server_streams import STREAM_ROUTES
+from .storage import is_url, store_at
+from .tile_cache import DISK_CACHE_BYTES, TileCache, compress, negotiate
+from .units import human_bytes
 
 WEB = Path(__file__).resolve().parent / "web"
 ESTIMATED_READ_RATE = 1e9  # bytes/s, for the cost shown before a full read
@@ -46,12 +65,11 @@ CONFIG_KEYS = ("architectures", "model_type", "num_hidden_layers", "hidden_size"
                "num_key_value_heads", "intermediate_size", "vocab_size", "torch_dtype")
 # the routes that only look up metadata: every other /api route counts as heavy for the guard
 LIGHT_ROUTES = re.compile(r"/api/(openapi\.json|checkpoints|checkpoints/[^/]+/tensor)")
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, **extra: Any):
-        super().__init__(message)
-        self.status, self.extra = status, extra
+NONFINITE_SCAN_BYTES = 16 * 1024**2  # a tensor this small is scanned for NaN/Inf on its first tile (~5 ms warm)
+NONFINITE_CACHE_BYTES = 64 * 1024**2  # non-finite positions kept for approximate tiles, all tensors together
+STATS_KEPT = 4096  # statistics kept per viewer (a few hundred bytes each), for the tiles' shared scale
+SCALE_HEADER = "X-Tensormorph-Scale"  # a tile's answer: the whole tensor's finite range, JSON, when known
+CONFIG_ONLY = "config"  # the format shown for a folder holding only config.json (planned, not viewed)
 
 
 class Viewer:
@@ -59,12 +77,14 @@ class Viewer:
 
     def __init__(self, paths: list[str | Path], *, rename: list[str] | None = None, cache_dir: Path | None = None,
                  cache_bytes: int = DISK_CACHE_BYTES, read_budget: int = DEFAULT_READ_BUDGET):
-        self.checkpoints: dict[str, Checkpoint] = {
-            cid: open_checkpoint(p, read_budget=read_budget) for cid, p in zip("ab", paths)}
+        self.checkpoints: dict[str, Checkpoint] = {cid: _open(p, read_budget) for cid, p in zip("ab", paths)}
         self.rename = list(rename or [])
         self.tiles = TileCache(cache_dir, disk_bytes=cache_bytes)
         self._diff: dict[tuple[float, float], DiffReport] = {}
         self._summaries: dict[str, bytes] = {}
+        self._stats: OrderedDict[tuple[str, str], TensorStats] = OrderedDict()
+        self._nonfinite: OrderedDict[tuple[str, str], NonFinite] = OrderedDict()
+        self._nonfinite_bytes = 0
         self._lock = threading.Lock()
 
     def checkpoint(self, cid: str) -> Checkpoint:
@@ -80,13 +100,84 @@ class Viewer:
         except TensorNotFoundError as exc:
             raise ApiError(404, str(exc)) from None
 
+    def stats(self, cid: str, tensor: LogicalTensor) -> TensorStats:
+        """The tensor's statistics (its name says which local(rank) view), kept for the tiles' scale. A tensor
+        with NaN or Inf is read once more for their positions, so that its approximate tiles flag them."""
+        result = tensor_stats(tensor)
+        with self._lock:
+            self._stats[(cid, tensor.name)] = result
+            while len(self._stats) > STATS_KEPT:
+                self._stats.popitem(last=False)
+        if result.nans or result.infs:
+            self.nonfinite(cid, tensor, scan=True)
+        else:
+            self.remember_nonfinite(cid, tensor, NonFinite.none(tensor.shape))
+        return result
+
+    def scale(self, cid: str, tensor: LogicalTensor) -> dict[str, float | None] | None:
+        """The tensor's finite range when its statistics ran, else None."""
+        with self._lock:
+            known = self._stats.get((cid, tensor.name))
+        return None if known is None else {"min": known.min, "max": known.max, "absmax": known.abs_max}
+
+    def nonfinite(self, cid: str, tensor: LogicalTensor, *, scan: bool = False) -> NonFinite | None:
+        """Where the tensor's NaN and Inf are: known, or scanned now when `scan` or the tensor is small."""
+        with self._lock:
+            known = self._nonfinite.get((cid, tensor.name))
+            if known is not None:
+                self._nonfinite.move_to_end((cid, tensor.name))
+                return known
+        if not scan and tensor.nbytes > NONFINITE_SCAN_BYTES:
+            return None
+        found = nonfinite(tensor)
+        self.remember_nonfinite(cid, tensor, found)
+        return found
+
+    def remember_nonfinite(self, cid: str, tensor: LogicalTensor, found: NonFinite) -> None:
+        with self._lock:
+            previous = self._nonfinite.pop((cid, tensor.name), None)
+            self._nonfinite_bytes -= previous.nbytes if previous is not None else 0
+            self._nonfinite[(cid, tensor.name)] = found
+            self._nonfinite_bytes += found.nbytes
+            while self._nonfinite_bytes > NONFINITE_CACHE_BYTES and len(self._nonfinite) > 1:
+                _, dropped = self._nonfinite.popitem(last=False)
+                self._nonfinite_bytes -= dropped.nbytes
+
+    def aligned(self, name: str | None) -> tuple[LogicalTensor, LogicalTensor]:
+        """The tensors of a and b that the diff aligns under `name`, of one shape."""
+        a_ck, b_ck = self.checkpoint("a"), self.checkpoint("b")
+        rules = [parse_rename(r) for r in self.rename]
+        a_names, b_names = aligned_names(list(a_ck), rules, "a"), aligned_names(list(b_ck), rules, "b")
+        if not name or name not in a_names or name not in b_names:
+            raise ApiError(404, f"tensor {name!r} is not in both checkpoints")
+        a, b = a_ck[a_names[name]], b_ck[b_names[name]]
+        if a.shape != b.shape:
+            raise ApiError(400, f"shapes differ: {list(a.shape)} vs {list(b.shape)}")
+        return a, b
+
+    def config_only(self, cid: str) -> bool:
+        return self.checkpoint(cid).format == CONFIG_ONLY
+
+    def diff_scale(self, name: str, kind: str) -> dict[str, float | None] | None:
+        """The range of a − b (kind diff) or |a − b| from the largest |a − b| of a diff report computed already
+        (any tolerance: it does not change that figure); None before /api/diff ran."""
+        with self._lock:
+            reports = list(self._diff.values())
+        for report in reports:
+            for entry in report.tensors:
+                if entry.name == name and entry.max_abs is not None:
+                    top = entry.max_abs
+                    return {"min": -top if kind == "diff" else 0.0, "max": top, "absmax": top}
+        return None
+
     def summary(self, cid: str) -> bytes:
         """The encoded summary, computed once: a 20,000-tensor tree takes a second to build."""
         ck = self.checkpoint(cid)
         with self._lock:
             cached = self._summaries.get(cid)
         if cached is None:
-            cached = json.dumps(_finite({**describe(ck, chunks=False), "config": self.config(ck)})).encode()
+            cached = json.dumps(finite({**describe(ck, chunks=False), "config": self.config(ck),
+                                        "config_only": ck.format == CONFIG_ONLY})).encode()
             with self._lock:
                 self._summaries[cid] = cached
         return cached
@@ -111,15 +202,18 @@ class Viewer:
             return self._diff[key]
 
     def cached_tile(self, key_parts: list[Any], sources: list[tuple[Checkpoint, LogicalTensor]],
-                    compute: Callable[[], bytes]) -> bytes:
-        """Exact tiles: from the cache, keyed by the request and the files' identity, else computed and cached."""
-        identity = [key_parts] + [[t.name, [_file_identity(ck, f) for f in t.files]] for ck, t in sources]
+                    compute: Callable[[], bytes], encoding: str | None) -> tuple[bytes, str | None]:
+        """Exact tiles, encoded for the wire: from the cache, keyed by the request, the encoding and the files'
+        identity, else computed, compressed and cached. (body, Content-Encoding)."""
+        identity = [key_parts, encoding] + [[t.name, [_file_identity(ck, f) for f in t.files]] for ck, t in sources]
         key = hashlib.sha256(json.dumps(identity, default=str).encode()).hexdigest()
         data = self.tiles.get(key)
         if data is None:
-            data = compute()
+            body, used = compress(compute(), encoding)
+            # the first byte says how it is encoded: a tile not worth compressing is kept as it is
+            data = (used or "-").encode()[:1] + body
             self.tiles.put(key, data)
-        return data
+        return data[1:], {b"z": "zstd", b"g": "gzip"}.get(data[:1])
 
     def close(self) -> None:
         for ck in self.checkpoints.values():
@@ -131,74 +225,25 @@ def _file_identity(ck: Checkpoint, file: str) -> tuple[str, int, int | str]:
     return ck.require_storage().fingerprint(file)
 
 
+def _open(path: str | Path, read_budget: int) -> Checkpoint:
+    config_only = _config_only(path)  # an empty Mapping: falsy, so not `or`
+    return config_only if config_only is not None else open_checkpoint(path, read_budget=read_budget)
+
+
+def _config_only(path: str | Path) -> Checkpoint | None:
+    """A local folder holding config.json and no checkpoint (`plan` takes it): an empty checkpoint whose Plan
+    page plans from the config; None for anything else."""
+    if is_url(path):
+        return None
+    folder = Path(path)
+    if not folder.is_dir() or not (folder / "config.json").is_file() or detect(folder) is not None:
+        return None
+    return Checkpoint(path=folder, format=CONFIG_ONLY, tensors={}, storage=store_at(folder))
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "tensormorph" / "tiles"
-
-
-# ---------------------------------------------------------------- request parsing
-
-def _int(request: Request, name: str, default: int | None = None) -> int:
-    raw = request.query_params.get(name)
-    if raw is None:
-        if default is None:
-            raise ApiError(400, f"parameter {name!r} is required")
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ApiError(400, f"parameter {name!r} must be an integer, got {raw!r}") from None
-
-
-def _float(request: Request, name: str, default: float) -> float:
-    raw = request.query_params.get(name)
-    try:
-        return default if raw is None else float(raw)
-    except ValueError:
-        raise ApiError(400, f"parameter {name!r} must be a number, got {raw!r}") from None
-
-
-def _ints(request: Request, name: str) -> tuple[int, ...] | None:
-    raw = request.query_params.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        return tuple(int(part) for part in raw.split(","))
-    except ValueError:
-        raise ApiError(400, f"parameter {name!r} must be comma-separated integers, got {raw!r}") from None
-
-
-def _flag(request: Request, name: str) -> bool:
-    return request.query_params.get(name, "0") in ("1", "true", "yes")
-
-
-def _viewed(tensor: LogicalTensor, request: Request) -> LogicalTensor:
-    """The tensor, or with &rank=R only what rank R holds."""
-    rank = request.query_params.get("rank")
-    if rank in (None, ""):
-        return tensor
-    try:
-        return tensor.local_tensor(_int(request, "rank"))
-    except CheckpointError as exc:
-        raise ApiError(400, str(exc)) from None
-
-
-def _region(request: Request, view: View) -> tuple[int, int, int, int, int, int]:
-    height, width = view.shape
-    h, w = _int(request, "h", 256), _int(request, "w", 256)
-    if h * w > MAX_PIXELS:
-        raise ApiError(413, f"a tile of {h} × {w} pixels is over the limit of {MAX_PIXELS}")
-    return _int(request, "r0", 0), _int(request, "r1", height), _int(request, "c0", 0), _int(request, "c1", width), h, w
-
-
-def _view(tensor: LogicalTensor, request: Request) -> View:
-    axes = _ints(request, "axes")
-    if axes is not None and len(axes) != 2:
-        raise ApiError(400, "parameter 'axes' takes two axes: ROW,COL")
-    try:
-        return View.of(tensor, axes, _ints(request, "fixed") or ())
-    except CheckpointError as exc:
-        raise ApiError(400, str(exc)) from None
 
 
 # ---------------------------------------------------------------- endpoints
@@ -207,8 +252,9 @@ def list_checkpoints(request: Request) -> JSONResponse:
     """The checkpoints this viewer serves."""
     viewer: Viewer = request.app.state.viewer
     return JSONResponse([
-        {"id": cid, "path": str(ck.path), "format": ck.format, "tensor_count": len(ck),
-         "params": sum(t.numel for t in ck.values()), "nbytes": ck.nbytes, "files": len(ck.files)}
+        {"id": cid, "path": str(ck.path), "format": None if ck.format == CONFIG_ONLY else ck.format,
+         "tensor_count": len(ck), "params": sum(t.numel for t in ck.values()), "nbytes": ck.nbytes,
+         "files": len(ck.files), "config_only": ck.format == CONFIG_ONLY}
         for cid, ck in viewer.checkpoints.items()])
 
 
@@ -235,124 +281,127 @@ def tensor_info(request: Request) -> JSONResponse:
 def stats(request: Request) -> JSONResponse:
     """Statistics and a histogram; above the read budget only with confirm=1."""
     viewer: Viewer = request.app.state.viewer
-    tensor = _viewed(viewer.tensor(viewer.checkpoint(request.path_params["cid"]), request.query_params.get("name")),
-                     request)
-    if tensor.nbytes > tensor.read_budget and not _flag(request, "confirm"):
-        raise ApiError(409, f"reading {tensor.nbytes} bytes exceeds the read budget; confirm to go on",
+    cid = request.path_params["cid"]
+    tensor = viewed(viewer.tensor(viewer.checkpoint(cid), request.query_params.get("name")), request)
+    if tensor.nbytes > tensor.read_budget and not flag_param(request, "confirm"):
+        raise ApiError(409, f"reading {human_bytes(tensor.nbytes)} exceeds the read budget of "
+                       f"{human_bytes(tensor.read_budget)}; confirm to go on",
                        bytes=tensor.nbytes, seconds=tensor.nbytes / ESTIMATED_READ_RATE)
-    bins = _int(request, "bins", 64)
+    bins = int_param(request, "bins", 64)
     if not 1 <= bins <= 4096:
         raise ApiError(400, "parameter 'bins' must be in [1, 4096]")
-    result = tensor_stats(tensor)
+    result = viewer.stats(cid, tensor)
     low, high = result.min, result.max
     hist = None
     if low is not None and high is not None:  # both None when the tensor has no finite values
-        hist = histogram(tensor, low, high, bins=bins, log=_flag(request, "log"))
-    return JSONResponse(_finite({**result.to_dict(), "histogram": hist}))
+        hist = histogram(tensor, low, high, bins=bins, log=flag_param(request, "log"))
+    return JSONResponse(finite({**result.to_dict(), "histogram": hist}))
 
 
 def tile_endpoint(request: Request) -> Response:
     """A binary tile of one tensor's view (see docs/viewer-api.md)."""
     viewer: Viewer = request.app.state.viewer
-    ck = viewer.checkpoint(request.path_params["cid"])
-    tensor = _viewed(viewer.tensor(ck, request.query_params.get("name")), request)
-    view = _view(tensor, request)
-    region = _region(request, view)
-    exact = _flag(request, "exact")
+    cid = request.path_params["cid"]
+    ck = viewer.checkpoint(cid)
+    tensor = viewed(viewer.tensor(ck, request.query_params.get("name")), request)
+    view = view_of(tensor, request)
+    area = region(request, view)
+    exact, shuffle = flag_param(request, "exact"), flag_param(request, "shuffle")
 
     def compute() -> bytes:
-        return tile(view, *region, exact=exact).encode()
+        known = None if exact else viewer.nonfinite(cid, tensor)
+        return tile(view, *area, exact=exact, nonfinite=known).encode(shuffle=shuffle)
 
+    scale = viewer.scale(cid, tensor)
+    encoding = negotiate(request.headers.get("accept-encoding"))
     if not exact:
-        return _binary(compute())
-    key = ["tile", view.axes, view.fixed, region]
-    return _binary(viewer.cached_tile(key, [(ck, tensor)], compute))
+        return _binary(*compress(compute(), encoding), scale)
+    key = ["tile", view.axes, view.fixed, area, shuffle]
+    return _binary(*viewer.cached_tile(key, [(ck, tensor)], compute, encoding), scale)
 
 
 def diff_endpoint(request: Request) -> JSONResponse:
     """The diff report of the two checkpoints."""
     viewer: Viewer = request.app.state.viewer
-    report = viewer.diff_report(_float(request, "atol", 0.0), _float(request, "rtol", 0.0))
-    return JSONResponse(_finite(report.to_dict()))
+    report = viewer.diff_report(float_param(request, "atol", 0.0), float_param(request, "rtol", 0.0))
+    return JSONResponse(finite(report.to_dict()))
 
 
 def diff_tile(request: Request) -> Response:
     """A binary tile of a − b (kind=diff) or |a − b| (kind=absdiff) for one aligned tensor name."""
     viewer: Viewer = request.app.state.viewer
-    a_ck, b_ck = viewer.checkpoint("a"), viewer.checkpoint("b")
     name = request.query_params.get("name")
-    rules = [parse_rename(r) for r in viewer.rename]
-    a_names, b_names = aligned_names(list(a_ck), rules, "a"), aligned_names(list(b_ck), rules, "b")
-    if not name or name not in a_names or name not in b_names:
-        raise ApiError(404, f"tensor {name!r} is not in both checkpoints")
-    a, b = a_ck[a_names[name]], b_ck[b_names[name]]
-    if a.shape != b.shape:
-        raise ApiError(400, f"shapes differ: {list(a.shape)} vs {list(b.shape)}")
-    kind = request.query_params.get("kind", "diff")
-    if kind not in ("diff", "absdiff"):
-        raise ApiError(400, "parameter 'kind' must be 'diff' or 'absdiff'")
-    view_a, view_b = _view(a, request), _view(b, request)
-    region = _region(request, view_a)
-    exact = _flag(request, "exact")
+    a, b = viewer.aligned(name)
+    kind = choice_param(request, "kind", ("diff", "absdiff"), "diff")
+    view_a, view_b = view_of(a, request), view_of(b, request)
+    area = region(request, view_a)
+    exact, shuffle = flag_param(request, "exact"), flag_param(request, "shuffle")
 
     def difference(rows: slice, cols: slice) -> np.ndarray:
         delta = view_a.read(rows, cols).astype(np.float64) - view_b.read(rows, cols).astype(np.float64)
         return np.abs(delta) if kind == "absdiff" else delta
 
     def compute() -> bytes:
-        return tile(view_a, *region, exact=exact, reader=difference).encode()
+        known = None
+        if not exact:
+            left, right = viewer.nonfinite("a", a), viewer.nonfinite("b", b)
+            known = left.difference(right, absolute=kind == "absdiff") if left and right else None
+        return tile(view_a, *area, exact=exact, reader=difference, nonfinite=known).encode(shuffle=shuffle)
 
+    scale = viewer.diff_scale(name or "", kind)
+    encoding = negotiate(request.headers.get("accept-encoding"))
     if not exact:
-        return _binary(compute())
-    return _binary(viewer.cached_tile(["diff", kind, view_a.axes, view_a.fixed, region], [(a_ck, a), (b_ck, b)],
-                                      compute))
+        return _binary(*compress(compute(), encoding), scale)
+    key = ["diff", kind, view_a.axes, view_a.fixed, area, shuffle]
+    return _binary(*viewer.cached_tile(key, [(viewer.checkpoint("a"), a), (viewer.checkpoint("b"), b)], compute,
+                                       encoding), scale)
 
 
 def plan_endpoint(request: Request) -> JSONResponse:
     """A placement plan of a served checkpoint on the given devices (see docs/plan.md)."""
     viewer: Viewer = request.app.state.viewer
-    ck = viewer.checkpoint(request.query_params.get("ck", "a"))
+    cid = request.query_params.get("ck", "a")
+    ck = viewer.checkpoint(cid)
     devices = request.query_params.getlist("device")
     if not devices:
         raise ApiError(400, "parameter 'device' is required, once per device (cuda:0=24GiB,tflops=165,bw=1000)")
     chunk = request.query_params.get("prefill_chunk")
-    workload = Workload(context=_int(request, "context", 4096), batch=_int(request, "batch", 1),
+    workload = Workload(context=int_param(request, "context", 4096), batch=int_param(request, "batch", 1),
                         dtype=request.query_params.get("dtype") or None,
                         cache_dtype=request.query_params.get("cache_dtype") or None,
-                        prefill_chunk=_int(request, "prefill_chunk") if chunk else None,
+                        prefill_chunk=int_param(request, "prefill_chunk") if chunk else None,
                         optimize=request.query_params.get("optimize", "decode"))
     link = request.query_params.get("link")
-    result = plan(ck, devices, workload, request.query_params.get("strategy", "pipeline"),
-                  link=_float(request, "link", 0.0) if link else None, uneven=_flag(request, "uneven"))
-    return JSONResponse(_finite(result.to_dict()))
+    # a config-only folder is planned from its config.json, as `tensormorph plan FOLDER` does
+    source = ck.path if viewer.config_only(cid) else ck
+    result = plan(source, devices, workload, request.query_params.get("strategy", "pipeline"),
+                  link=float_param(request, "link", 0.0) if link else None, uneven=flag_param(request, "uneven"))
+    return JSONResponse(finite(result.to_dict()))
 
 
 def openapi(request: Request) -> JSONResponse:
     return JSONResponse(OPENAPI)
 
 
-def _binary(data: bytes) -> Response:
-    return Response(data, media_type="application/octet-stream")
+def _binary(data: bytes, encoding: str | None = None, scale: dict[str, float | None] | None = None) -> Response:
+    """A tile: Content-Encoding when compressed, and the tensor's range when known (not in the cached bytes:
+    it becomes known later than a tile may be cached)."""
+    headers = {"Vary": "Accept-Encoding"}
+    if encoding is not None:
+        headers["Content-Encoding"] = encoding
+    if scale is not None:
+        headers[SCALE_HEADER] = json.dumps(finite(scale))
+    return Response(data, media_type="application/octet-stream", headers=headers)
 
 
-def _finite(value: Any) -> Any:
-    """JSON has no NaN or infinity: they become null (the page shows them as such)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _operation(summary: str, parameters: list[str], binary: bool = False) -> dict[str, Any]:
-    content: dict[str, dict[str, Any]] = {"application/octet-stream": {}} if binary else {"application/json": {}}
+def _operation(summary: str, parameters: list[str], binary: bool = False, stream: bool = False) -> dict[str, Any]:
+    media = "application/octet-stream" if binary else "application/x-ndjson" if stream else "application/json"
+    content: dict[str, dict[str, Any]] = {media: {}}
     return {"get": {"summary": summary, "responses": {"200": {"description": "OK", "content": content}},
                     "parameters": [{"name": p, "in": "query", "schema": {"type": "string"}} for p in parameters]}}
 
 
-_REGION = ["name", "r0", "r1", "c0", "c1", "h", "w", "axes", "fixed", "exact"]
+_REGION = ["name", "r0", "r1", "c0", "c1", "h", "w", "axes", "fixed", "exact", "shuffle"]
 OPENAPI: dict[str, Any] = {
     "openapi": "3.0.0",
     "info": {"title": "Tensormorph viewer", "version": "1", "description": "See docs/viewer-api.md."},
@@ -367,6 +416,8 @@ OPENAPI: dict[str, Any] = {
         "/api/plan": _operation(plan_endpoint.__doc__ or "", ["ck", "device", "context", "batch", "strategy",
                                                                "uneven", "dtype", "cache_dtype", "prefill_chunk",
                                                                "optimize", "link"]),
+        **{path: _operation(endpoint.__doc__ or "", parameters, stream=True)
+           for path, endpoint, parameters in STREAM_ROUTES},
     },
 }
 
@@ -397,6 +448,7 @@ def create_app(paths: list[str | Path], *, host: str = "127.0.0.1", token: str |
         Route("/api/diff", diff_endpoint),
         Route("/api/diff/tile", diff_tile),
         Route("/api/plan", plan_endpoint),
+        *(Route(path, endpoint) for path, endpoint, _ in STREAM_ROUTES),
         Mount("/", StaticFiles(directory=WEB, html=True), name="page"),
     ]
 

@@ -6,6 +6,9 @@ approximate tile samples the first element of each block (a strided read,
 fast whatever the tensor's size); an exact tile aggregates every element of
 each block (mean, min, max, abs-max), streaming the region in bands of
 bounded size. The encoding is compact binary: the page colours it itself.
+Every tile flags the pixels whose block holds a NaN or Inf: exactly in exact
+tiles, and in approximate ones from the tensor's non-finite positions when a
+scan found them (ops/search.py), so that no zoom level hides one.
 Memory per tile is a few bytes per pixel (float32 fields, one copy to encode),
 so MAX_PIXELS bounds what one request may take.
 """
@@ -23,6 +26,7 @@ import numpy as np
 
 from ..core import LogicalTensor
 from ..errors import CheckpointError
+from .search import NonFinite, flags_of
 from .stats import chunk_blocks
 
 DEFAULT_BAND_BYTES = 32 * 1024**2
@@ -94,6 +98,8 @@ class Tile:
     fields: dict[str, np.ndarray] = field(default_factory=dict)  # each float32, shape (rows, cols) in pixels
     nan: int = 0
     inf: int = 0
+    mask: np.ndarray | None = None  # uint8 non-finite flags per pixel (search.NAN_FLAG ...); None: all finite
+    nonfinite_complete: bool = True  # the mask accounts for every element, not only the samples
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -105,17 +111,34 @@ class Tile:
         return {
             "name": self.name, "view_shape": list(self.view_shape), "rows": list(self.rows), "cols": list(self.cols),
             "step": list(self.step), "shape": list(self.shape), "approximate": self.approximate,
-            "fields": list(self.fields), "nan": self.nan, "inf": self.inf,
+            "fields": list(self.fields) + (["nonfinite"] if self.flagged else []), "nan": self.nan, "inf": self.inf,
             "min": min(low for low, _ in ranges) if ranges else None,
             "max": max(high for _, high in ranges) if ranges else None,
+            "nonfinite_complete": self.nonfinite_complete, "nonfinite_cells": self.flagged,
         }
 
-    def encode(self) -> bytes:
-        """u32 LE header length, JSON header, then each field as float32 LE, row-major."""
-        head = json.dumps(self.header()).encode()
+    @property
+    def flagged(self) -> int:
+        """Pixels whose block holds a NaN or Inf."""
+        return int(np.count_nonzero(self.mask)) if self.mask is not None else 0
+
+    def encode(self, *, shuffle: bool = False) -> bytes:
+        """u32 LE header length, JSON header, then each field as float32 LE, row-major (with shuffle, byte plane
+        by byte plane: all first bytes, then all second bytes ...)."""
+        header = self.header()
+        if shuffle:
+            header["shuffle"] = True
+        head = json.dumps(header).encode()
+        arrays = list(self.fields.values()) + ([self.mask] if self.mask is not None and self.flagged else [])
         # bytes.join takes any buffer: each field is copied once, straight into the answer
-        fields = [np.ascontiguousarray(v, dtype="<f4").data for v in self.fields.values()]
+        fields = [_planes(v) if shuffle else np.ascontiguousarray(v, dtype="<f4").data for v in arrays]
         return b"".join([struct.pack("<I", len(head)), head, *fields])
+
+
+def _planes(values: np.ndarray) -> memoryview:
+    """float32 LE values as four byte planes: the high bytes of real weights repeat, so they compress well."""
+    raw = np.ascontiguousarray(values, dtype="<f4").reshape(-1).view(np.uint8)
+    return np.ascontiguousarray(raw.reshape(-1, 4).T).data
 
 
 def _finite_range(values: np.ndarray) -> tuple[float, float] | None:
@@ -132,10 +155,12 @@ def steps(r0: int, r1: int, c0: int, c1: int, h: int, w: int) -> tuple[int, int]
 
 
 def tile(view: View, r0: int, r1: int, c0: int, c1: int, h: int, w: int, *, exact: bool = False,
-         band_bytes: int = DEFAULT_BAND_BYTES, reader: Callable[[slice, slice], np.ndarray] | None = None) -> Tile:
+         band_bytes: int = DEFAULT_BAND_BYTES, reader: Callable[[slice, slice], np.ndarray] | None = None,
+         nonfinite: NonFinite | None = None) -> Tile:
     """The tile of `view` over rows [r0, r1) × columns [c0, c1) in at most h × w pixels.
 
-    `reader` replaces view.read (the diff view reads a − b through it).
+    `reader` replaces view.read (the diff view reads a − b through it). `nonfinite`, the positions of the
+    tensor's NaN and Inf (search.nonfinite), completes the flags of an approximate tile.
     """
     H, W = view.shape
     name = view.tensor.name
@@ -151,9 +176,34 @@ def tile(view: View, r0: int, r1: int, c0: int, c1: int, h: int, w: int, *, exac
         values = _as_working(read(slice(r0, r1, sy), slice(c0, c1, sx)))
         result.nan, result.inf = _nonfinite(values)
         result.fields["value"] = values.astype(np.float32, copy=False)
+        result.mask = flags_of(values) if result.nan or result.inf else None
+        if result.approximate:
+            result.nonfinite_complete = nonfinite is not None and nonfinite.complete
+            if nonfinite is not None and nonfinite.positions.size:
+                known = nonfinite_cells(nonfinite, view, r0, r1, c0, c1, sy, sx)
+                result.mask = known if result.mask is None else result.mask | known
         return result
     _aggregate(result, read, band_bytes)
     return result
+
+
+def nonfinite_cells(nonfinite: NonFinite, view: View, r0: int, r1: int, c0: int, c1: int, sy: int,
+                    sx: int) -> np.ndarray:
+    """The flags (OR-ed) of the listed non-finite elements that fall in each pixel of a tile of `view`."""
+    out = np.zeros((math.ceil((r1 - r0) / sy), math.ceil((c1 - c0) / sx)), np.uint8)
+    flat, flags = nonfinite.positions, nonfinite.flags
+    if view.axes is None:
+        rows, cols = np.zeros_like(flat), flat if view.tensor.ndim == 1 else np.zeros_like(flat)
+    else:
+        coords = np.unravel_index(flat, nonfinite.shape)
+        keep = np.ones(flat.shape, bool)
+        others = [d for d in range(len(nonfinite.shape)) if d not in view.axes]
+        for d, index in zip(others, view.fixed):
+            keep &= coords[d] == index
+        rows, cols, flags = coords[view.axes[0]][keep], coords[view.axes[1]][keep], flags[keep]
+    inside = (rows >= r0) & (rows < r1) & (cols >= c0) & (cols < c1)
+    np.bitwise_or.at(out, ((rows[inside] - r0) // sy, (cols[inside] - c0) // sx), flags[inside])
+    return out
 
 
 @np.errstate(invalid="ignore", divide="ignore")  # +inf and -inf in one block sum to NaN, as they should
@@ -175,6 +225,10 @@ def _aggregate(result: Tile, read: Callable[[slice, slice], np.ndarray], band_by
             result.nan += nan
             result.inf += inf
             target = (slice(i, i + math.ceil(band.shape[0] / sy)), slice(j, j + math.ceil(band.shape[1] / sx)))
+            if nan or inf:
+                if result.mask is None:
+                    result.mask = np.zeros((out_rows, out_cols), np.uint8)
+                result.mask[target] = _blocks(np.bitwise_or, flags_of(band), sy, sx)
             if nan:
                 valid = ~np.isnan(band)
                 sums = _blocks(np.add, np.where(valid, band, 0), sy, sx)

@@ -10,11 +10,12 @@ full=True every byte is read, and tensors holding NaN or Inf are reported.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..core import Checkpoint
 from ..errors import CheckpointError, MissingFileError, UnsafePickleError
 from ..formats import open_checkpoint, reader_of
 from ..storage import is_url
@@ -48,6 +49,16 @@ class VerifyReport:
         return {**asdict(self), "ok": self.ok}
 
 
+@dataclass(frozen=True)
+class Step:
+    """One thing verified: a file or item whose checksums were checked, a tensor read whole, or an object."""
+
+    item: str
+    problems: tuple[Problem, ...] = ()
+    checksum: bool = False  # a recorded checksum was checked
+    bytes_read: int = 0
+
+
 def _problem(exc: CheckpointError) -> Problem:
     return Problem(type(exc).__name__, exc.reason, exc.file, exc.tensor)
 
@@ -65,32 +76,43 @@ def verify(path: str | Path, *, full: bool = False, progress: Callable[[int], No
         return report
     with ck:
         report.format, report.tensors, report.files = ck.format, len(ck), len(ck.files)
-        try:
-            for _item, problem in reader_of(ck).checksum_problems(ck):
-                report.checksums_checked += 1
-                if problem is not None:
-                    report.problems.append(_problem(problem))
-        except CheckpointError as exc:  # a file the checks cannot read at all (gone, a folder): damage found
-            report.problems.append(_problem(exc))
-        if not full:
-            return report
-        for tensor in ck.values():
-            try:
-                stats = tensor_stats(tensor, progress=progress)
-            except CheckpointError as exc:
-                report.problems.append(_problem(exc))
-                continue
-            report.bytes_read += tensor.nbytes
-            file = tensor.files[0] if tensor.files else None
-            if stats.nans:
-                report.problems.append(Problem("nan", f"holds {stats.nans} NaN values", file, tensor.name))
-            if stats.infs:
-                report.problems.append(Problem("inf", f"holds {stats.infs} infinite values", file, tensor.name))
-        for entry in ck.objects.values():
-            try:
-                entry.value()
-            except UnsafePickleError:
-                pass  # not plain data: listed, deliberately not decoded; not damage
-            except CheckpointError as exc:
-                report.problems.append(_problem(exc))
+        for step in verify_steps(ck, full=full, progress=progress):
+            report.checksums_checked += step.checksum
+            report.bytes_read += step.bytes_read
+            report.problems.extend(step.problems)
     return report
+
+
+def verify_steps(ck: Checkpoint, *, full: bool = False,
+                 progress: Callable[[int], None] | None = None) -> Generator[Step, None, None]:
+    """Verify an open checkpoint step by step, each step as it is done (the viewer streams them): every
+    checksum the format records, then with full=True every tensor's values and every object."""
+    try:
+        for item, problem in reader_of(ck).checksum_problems(ck):
+            yield Step(item, (_problem(problem),) if problem is not None else (), checksum=True)
+    except CheckpointError as exc:  # a file the checks cannot read at all (gone, a folder): damage found
+        yield Step(exc.file or str(ck.path), (_problem(exc),))
+    if not full:
+        return
+    for tensor in ck.values():
+        try:
+            stats = tensor_stats(tensor, progress=progress)
+        except CheckpointError as exc:
+            yield Step(tensor.name, (_problem(exc),))
+            continue
+        file = tensor.files[0] if tensor.files else None
+        problems = []
+        if stats.nans:
+            problems.append(Problem("nan", f"holds {stats.nans} NaN values", file, tensor.name))
+        if stats.infs:
+            problems.append(Problem("inf", f"holds {stats.infs} infinite values", file, tensor.name))
+        yield Step(tensor.name, tuple(problems), bytes_read=tensor.nbytes)
+    for entry in ck.objects.values():
+        try:
+            entry.value()
+        except UnsafePickleError:
+            pass  # not plain data: listed, deliberately not decoded; not damage
+        except CheckpointError as exc:
+            yield Step(entry.name, (_problem(exc),))
+            continue
+        yield Step(entry.name)

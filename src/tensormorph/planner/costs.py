@@ -5,6 +5,8 @@ Memory on a device = weights placed there + the KV cache of its layers
 headroom for one prefill pass + the runtime's reserve. A stage's time is a
 roofline, max(bytes read / memory bandwidth, FLOPs / compute), plus the time to
 receive the hidden state over the link. See docs/plan.md for every formula.
+An encoder-only model (BERT) runs one forward pass: no KV cache, no decode
+step, and attention over every pair of tokens (not the causal half).
 """
 
 from __future__ import annotations
@@ -117,13 +119,18 @@ def unit_cost(unit: Unit, spec: ModelSpec, workload: Workload, share: Share = FU
             prefill_flops += 2 * numel * tokens
     kv = 0
     width = a.hidden
+    if a.encoder:  # nothing is decoded
+        decode_bytes = decode_flops = 0.0
     if unit.kind == "layer":
-        kv = kv_bytes_per_layer(spec, workload, share.kv)
         q = a.q_dim * share.q
-        decode_bytes += kv  # every step reads the whole cache of the layer
-        decode_flops += 4 * batch * context * q  # q·K over the context, then weights·V
-        prefill_bytes += kv
-        prefill_flops += 2 * batch * context * context * q  # causal: half of the 4·c²·q of full attention
+        if a.encoder:
+            prefill_flops += 4 * batch * context * context * q  # every token attends to every token
+        else:
+            kv = kv_bytes_per_layer(spec, workload, share.kv)
+            decode_bytes += kv  # every step reads the whole cache of the layer
+            decode_flops += 4 * batch * context * q  # q·K over the context, then weights·V
+            prefill_bytes += kv
+            prefill_flops += 2 * batch * context * context * q  # causal: half of the 4·c²·q of full attention
         # the residual stream and its normed copy, plus the wider of attention (q, k, v, output) and MLP
         # (gate, up and their product); one layer runs at a time, so this is the peak
         width = max(2 * a.hidden + 2 * round(q) + 2 * round(a.kv_dim * share.kv),
@@ -221,7 +228,7 @@ def evaluate_tensor(spec: ModelSpec, devices: Sequence[Device], workload: Worklo
     decode_one, prefill_one = handoff_bytes(spec, workload)
     reduces = 2 * spec.arch.layers + 1
     n = len(devices)
-    logits = workload.batch * (spec.arch.vocab or 0) * LOGIT_BYTES
+    logits = 0 if spec.arch.encoder else workload.batch * (spec.arch.vocab or 0) * LOGIT_BYTES
     decode_comm = allreduce_seconds(decode_one, n, links) * reduces + gather_seconds(logits, n, links)
     prefill_comm = allreduce_seconds(prefill_one, n, links) * reduces + gather_seconds(logits, n, links)
     rows = []

@@ -14,7 +14,7 @@ from ..core import Checkpoint
 from ..errors import CheckpointError
 from ..formats import detect, open_checkpoint
 from ..storage import AnyPath, store_at
-from .modelspec import CONFIG_KEYS, ModelSpec, build_model, config_value, is_head, text_config
+from .modelspec import CONFIG_KEYS, ENCODER_TYPES, ModelSpec, build_model, config_value, is_head, text_config
 from .spec import PlanError
 
 _CONFIG_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "float": "F32",
@@ -108,7 +108,9 @@ def _from_config(config: dict[str, Any], dtype: str | None, *, name: str | None,
     model_type = config.get("model_type")
     notes = []
     layout = _LAYOUTS.get(model_type or "llama")
-    if layout is None:
+    if model_type in ENCODER_TYPES:
+        layout = {"encoder": True}
+    elif layout is None:
         notes.append(f"model_type {model_type!r} is planned with the Llama tensor layout "
                      f"(known layouts: {', '.join(_LAYOUTS)}); give a checkpoint for exact sizes")
         layout = {}
@@ -117,7 +119,8 @@ def _from_config(config: dict[str, Any], dtype: str | None, *, name: str | None,
         stored = "BF16"
         if dtype is None:
             notes.append("the config names no dtype: weights assumed bf16")
-    tensors = [(n, shape, stored) for n, shape in _layout_tensors(config, layout)]
+    written = _encoder_tensors(config) if layout.get("encoder") else _layout_tensors(config, layout)
+    tensors = [(n, shape, stored) for n, shape in written]
     display = name or config.get("_name_or_path") or model_type or "model"
     spec = build_model(tensors, {}, config, dtype, name=display, source="config", path=path)
     return replace(spec, notes=tuple(notes) + spec.notes)
@@ -181,4 +184,34 @@ def _layout_tensors(config: dict[str, Any], layout: dict[str, Any]) -> list[tupl
         out += [(f"{p}.input_layernorm.weight", (hidden,)), (f"{p}.post_attention_layernorm.weight", (hidden,))]
     out.append(("model.norm.weight", (hidden,)))
     out.append(("lm_head.weight", (vocab, hidden)))
+    return out
+
+
+def _encoder_tensors(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """The tensors (name, shape) of a BERT-layout encoder: embeddings, layers of self-attention and MLP with
+    biases and LayerNorms, and the pooler; no LM head."""
+    layers, hidden = _required(config, "layers"), _required(config, "hidden")
+    vocab, intermediate = _required(config, "vocab"), _required(config, "intermediate")
+    out: list[tuple[str, tuple[int, ...]]] = []
+
+    def linear(prefix: str, rows: int, cols: int) -> None:
+        out.extend([(f"{prefix}.weight", (rows, cols)), (f"{prefix}.bias", (rows,))])
+
+    def norm(prefix: str) -> None:
+        out.extend([(f"{prefix}.weight", (hidden,)), (f"{prefix}.bias", (hidden,))])
+
+    out.append(("embeddings.word_embeddings.weight", (vocab, hidden)))
+    out.append(("embeddings.position_embeddings.weight", (int(config.get("max_position_embeddings") or 512), hidden)))
+    out.append(("embeddings.token_type_embeddings.weight", (int(config.get("type_vocab_size") or 2), hidden)))
+    norm("embeddings.LayerNorm")
+    for i in range(layers):
+        p = f"encoder.layer.{i}"
+        for part in ("query", "key", "value"):
+            linear(f"{p}.attention.self.{part}", hidden, hidden)
+        linear(f"{p}.attention.output.dense", hidden, hidden)
+        norm(f"{p}.attention.output.LayerNorm")
+        linear(f"{p}.intermediate.dense", intermediate, hidden)
+        linear(f"{p}.output.dense", hidden, intermediate)
+        norm(f"{p}.output.LayerNorm")
+    linear("pooler.dense", hidden, hidden)
     return out

@@ -47,6 +47,10 @@ _ROLES = [  # on the module that owns the tensor (the fused v5 expert parameters
     (re.compile(r"^(down_proj|w2|fc2|dense_4h_to_h|fc_out)$"), "row"),
 ]
 _ATTENTION = re.compile(r"(attn|attention)", re.IGNORECASE)
+# encoder-only families (BERT and its kin): one forward pass over the input, no KV cache, no LM head to decode
+ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
+                           "mpnet", "camembert", "ernie", "modernbert", "nomic_bert", "megatron-bert", "rembert",
+                           "xlm", "flaubert", "luke", "esm", "data2vec-text", "xmod", "nezha", "roformer"})
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,7 @@ class Arch:
     tied: bool  # input embedding and LM head share one tensor
     model_type: str | None = None
     sliding_window: int | None = None
+    encoder: bool = False  # encoder-only: one forward pass over the input, no decoding
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,7 @@ class ModelSpec:
     def summary(self) -> dict[str, Any]:
         a = self.arch
         return {"name": self.name, "source": self.source, "path": str(self.path) if self.path else None,
+                "kind": "encoder" if a.encoder else "decoder",
                 "params": self.params, "weight_bytes": self.nbytes, "dtype": self.dtype, "layers": a.layers,
                 "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
                 "vocab": a.vocab, "experts": a.experts, "experts_per_token": a.experts_per_token,
@@ -218,6 +224,16 @@ def is_head(name: str) -> bool:
     return bool(_HEAD.match(name.rsplit(".", 2)[-2] if name.count(".") else name))
 
 
+def is_encoder(config: dict[str, Any] | None, container: str) -> bool:
+    """Encoder-only: a known encoder family by the config, or without config BERT's layer container
+    (`encoder.layer.N`, `bert.encoder.layer.N`)."""
+    if config is not None and (config.get("is_decoder") or config.get("is_encoder_decoder")):
+        return False
+    if config is not None and config.get("model_type"):
+        return config["model_type"] in ENCODER_TYPES
+    return container == "encoder.layer" or container.endswith(".encoder.layer")
+
+
 def build_model(tensors: list[tuple[str, tuple[int, ...], str]], shared: dict[str, str],
                 config: dict[str, Any] | None, dtype: str | None, *, name: str, source: str,
                 path: AnyPath | None) -> ModelSpec:
@@ -263,12 +279,15 @@ def build_model(tensors: list[tuple[str, tuple[int, ...], str]], shared: dict[st
     embed = _main_embedding(units["input"], config_value(config, "vocab"))
     head = next((t for u in units["output"] for t in u.tensors if t.role == "head"), None)
     tie_config = config.get("tie_word_embeddings") if config else None
-    if head is None and embed is not None and tie_config is not False:
+    encoder = is_encoder(config, container)
+    if head is None and embed is not None and tie_config is not False and not encoder:
         # save_pretrained drops a tied head; the model reads the embedding matrix as its head
         units["output"].append(Unit("lm_head", "output", (
             TensorSpec("lm_head.weight", embed.shape, embed.element_bytes, "head", tied_to=embed.name),)))
         if tie_config is None:
-            notes.append("no LM head tensor and no config: the head is assumed tied to the input embedding")
+            notes.append("no LM head tensor, and " + ("the config does not say tie_word_embeddings" if config
+                                                      else "no config.json") + ": the head is assumed tied to the "
+                         "input embedding")
         head = units["output"][-1].tensors[0]
     elif head is not None and embed is not None and tie_config and head.tied_to is None and head.shape == embed.shape:
         # stored twice, but the runtime ties them at load time: one copy is resident
@@ -281,7 +300,7 @@ def build_model(tensors: list[tuple[str, tuple[int, ...], str]], shared: dict[st
     layers = tuple(units["layer"])
     if config is not None and config_value(config, "layers") not in (None, len(layers)):
         notes.append(f"the config says {config_value(config, 'layers')} layers, the tensors hold {len(layers)}")
-    arch = _arch(config, layers, embed, tied)
+    arch = replace(_arch(config, layers, embed, tied), encoder=encoder)
     return ModelSpec(name=name, source=source, arch=arch, dtype=weights_dtype, act_dtype=act_dtype,
                      inputs=tuple(units["input"]), layers=layers, outputs=tuple(units["output"]), path=path,
                      notes=tuple(notes))

@@ -159,7 +159,19 @@ class Plan:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        return self.workload.batch / self.decode_step_s
+        """0 for an encoder-only model, which decodes nothing."""
+        return self.workload.batch / self.decode_step_s if self.decode_step_s > 0 else 0.0
+
+    @property
+    def plans(self) -> str:
+        """What is planned, in one sentence."""
+        w, a = self.workload, self.model.arch
+        tokens = f"{w.batch}×{w.context:,} tokens"
+        if a.encoder:
+            return (f"encoder-only ({a.model_type or 'encoder'}): one forward pass over {tokens}; "
+                    "no KV cache, no decoding, no LM head")
+        return (f"decoder ({a.model_type or 'decoder'}): prefill of {tokens}, then decoding with a KV cache of "
+                f"{w.context:,} tokens per sequence")
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -175,15 +187,22 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """Everything in plain JSON types (`tensormorph plan --json` prints this)."""
         w = self.workload
+        encoder = self.model.arch.encoder
+        devices = [d.to_dict(w) for d in self.devices]
+        if encoder:  # nothing is decoded: no decode figures
+            for row in devices:
+                row["decode"] = {key: None for key in row["decode"]}
         return {
             "strategy": self.strategy, "fits": self.fits, "model": self.model.summary(),
+            "model_kind": "encoder" if encoder else "decoder", "plans": self.plans,
             "workload": {"context": w.context, "batch": w.batch, "dtype": self.model.dtype,
                          "cache_dtype": w.cache_dtype or self.model.act_dtype, "prefill_chunk": w.prefill_chunk,
                          "optimize": w.optimize},
-            "devices": [d.to_dict(w) for d in self.devices],
+            "devices": devices,
             "links_gbps": list(self.links),
             "device_map": self.device_map,
-            "overall": {"decode_step_s": self.decode_step_s, "decode_tokens_per_s": self.decode_tokens_per_s,
+            "overall": {"decode_step_s": None if encoder else self.decode_step_s,
+                        "decode_tokens_per_s": None if encoder else self.decode_tokens_per_s,
                         "prefill_s": self.prefill_time_s, "prefill_tokens_per_s": self.prefill_tokens_per_s},
             "bottleneck": {"device": self.bottleneck.device, "phase": self.bottleneck.phase,
                            "seconds": self.bottleneck.seconds, "limit": self.bottleneck.limit,

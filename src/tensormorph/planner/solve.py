@@ -49,6 +49,8 @@ def plan(source: str | Path | Checkpoint | Mapping[str, Any] | Any, devices: Seq
     links = [d.link or link or DEFAULT_LINK_GBPS for d in devs[:-1]]
     spec = load_model(source, workload.dtype)
     notes = list(spec.notes)
+    if spec.arch.encoder:  # one forward pass is all it runs: the plan minimises that
+        workload = replace(workload, optimize="prefill")
     if len(devs) > 1 and link is None and any(d.link is None for d in devs[:-1]):
         notes.append(f"link bandwidth not given: {DEFAULT_LINK_GBPS:g} GB/s assumed (PCIe 4.0 x16)")
     window = spec.arch.sliding_window
@@ -117,7 +119,7 @@ def plan(source: str | Path | Checkpoint | Mapping[str, Any] | Any, devices: Seq
         prefill_time = chunks * max(prefill_stages)
     return Plan(strategy=strategy, model=spec, workload=workload, devices=rows, device_map=mapping,
                 decode_step_s=decode_step, prefill_time_s=prefill_time,
-                bottleneck=_bottleneck(active, workload, strategy, links), shortfall=shortfall,
+                bottleneck=_bottleneck(active, workload, strategy, links, spec.arch.encoder), shortfall=shortfall,
                 links=tuple(links), notes=tuple(notes))
 
 
@@ -237,15 +239,16 @@ def _shortfall(spec: ModelSpec, devices: list[Device], workload: Workload, rows:
                      more_memory=_more_memory(spec, devices, workload, fits, evaluate))
 
 
-def _bottleneck(active: Sequence[DeviceUsage], workload: Workload, strategy: str,
-                links: Sequence[float]) -> Bottleneck:
+def _bottleneck(active: Sequence[DeviceUsage], workload: Workload, strategy: str, links: Sequence[float],
+                encoder: bool = False) -> Bottleneck:
     decode = workload.optimize == "decode"
     worst = max(active, key=lambda r: r.decode_stage_s if decode else r.prefill_stage_s)
     compute, handoff = (worst.decode_s, worst.decode_handoff_s) if decode else (worst.prefill_s,
                                                                                  worst.prefill_handoff_s)
     nbytes, flops = (worst.decode_bytes, worst.decode_flops) if decode else (worst.prefill_bytes, worst.prefill_flops)
     device = worst.device
-    per = "per decode step" if decode else f"to prefill {workload.batch}×{workload.context:,} tokens"
+    per = "per decode step" if decode else \
+        f"to {'encode' if encoder else 'prefill'} {workload.batch}×{workload.context:,} tokens"
     if len(active) == 1:
         of = "the only stage"
     else:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
-from ..units import parse_size
+from ..units import human_bytes, parse_size
 
 GiB = 1 << 30
 DEFAULT_GPU_RESERVE = GiB
@@ -72,15 +72,15 @@ class Device:
         if not _NAME.match(self.name):
             raise PlanError(f"device name {self.name!r} is not a name like cuda:0, cpu or gpu1")
         if self.memory <= 0:
-            raise PlanError(f"device {self.name}: memory must be positive, got {self.memory} bytes")
+            raise PlanError(f"device {self.name}: memory must be positive, got {human_bytes(self.memory)}")
         for label, value in (("tflops", self.tflops), ("bw", self.bandwidth), ("link", self.link)):
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise PlanError(f"device {self.name}: {label} must be a positive number, got {value}")
         if self.reserve is not None and self.reserve < 0:
-            raise PlanError(f"device {self.name}: reserve must not be negative, got {self.reserve} bytes")
+            raise PlanError(f"device {self.name}: reserve must not be negative, got {human_bytes(self.reserve)}")
         if self.reserve_bytes >= self.memory:
-            raise PlanError(f"device {self.name}: the reserve ({self.reserve_bytes} bytes) leaves nothing of its "
-                            f"{self.memory} bytes of memory")
+            raise PlanError(f"device {self.name}: the reserve ({human_bytes(self.reserve_bytes)}) leaves nothing of "
+                            f"its {human_bytes(self.memory)} of memory")
 
     @property
     def reserve_bytes(self) -> int:

@@ -43,18 +43,70 @@ export async function getJSON(path, params, { signal } = {}) {
   return response.json();
 }
 
+/**
+ * A tile ({header, fields, scale}): asked byte-plane shuffled, which compresses better on the wire. scale is
+ * the tensor's whole finite range {min, max, absmax} from the X-Tensormorph-Scale header, or null.
+ */
 export async function getTile(path, params, { signal } = {}) {
+  const url = apiUrl(path, { ...params, shuffle: 1 });
+  const response = await fetch(url, { signal });
+  if (!response.ok) throw await failure(response, url);
+  const tile = parseTile(await response.arrayBuffer());
+  const scale = response.headers.get('X-Tensormorph-Scale');
+  tile.scale = scale ? JSON.parse(scale) : null;
+  return tile;
+}
+
+/**
+ * Read an NDJSON stream (search, verify): onLine(object) for each line; resolves with the last line, the
+ * {"done": true, ...} one. An {"error"} line rejects; so does abort() through `signal`.
+ */
+export async function streamLines(path, params, { signal, onLine = () => {} } = {}) {
   const url = apiUrl(path, params);
   const response = await fetch(url, { signal });
   if (!response.ok) throw await failure(response, url);
-  return parseTile(await response.arrayBuffer());
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let pending = '';
+  let last = null;
+  const take = (line) => {
+    if (!line.trim()) return;
+    last = JSON.parse(line);
+    if (last.error) throw new ApiError(response.status, last, url);
+    onLine(last);
+  };
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    pending += decoder.decode(value, { stream: true });
+    const lines = pending.split('\n');
+    pending = lines.pop();
+    lines.forEach(take);
+  }
+  take(pending + decoder.decode());
+  if (!last || !last.done) throw new ApiError(response.status, { error: 'the answer ended early' }, url);
+  return last;
 }
 
 const LITTLE_ENDIAN_HOST = new Uint8Array(new Uint32Array([1]).buffer)[0] === 1;
 
+/** A float32 LE array stored byte-plane by byte-plane (byte b of element i at b·count + i), put back. */
+function unshuffle(planes, count) {
+  const bytes = new Uint8Array(count * 4);
+  for (let b = 0; b < 4; b++) {
+    const plane = b * count;
+    for (let i = 0; i < count; i++) bytes[i * 4 + b] = planes[plane + i];
+  }
+  if (LITTLE_ENDIAN_HOST) return new Float32Array(bytes.buffer);
+  const view = new DataView(bytes.buffer);
+  const array = new Float32Array(count);
+  for (let i = 0; i < count; i++) array[i] = view.getFloat32(i * 4, true);
+  return array;
+}
+
 /**
  * Parse a tile: u32 LE header length n, n bytes of JSON, then one float32 LE array of
- * rows × cols per entry of header.fields, row-major.
+ * rows × cols per entry of header.fields, row-major (byte-plane shuffled when header.shuffle).
  * Returns {header, fields: {name: Float32Array}}.
  */
 export function parseTile(buffer) {
@@ -74,7 +126,9 @@ export function parseTile(buffer) {
   let offset = 4 + n;
   for (const name of header.fields) {
     let array;
-    if (LITTLE_ENDIAN_HOST) {
+    if (header.shuffle) {
+      array = unshuffle(new Uint8Array(buffer, offset, count * 4), count);
+    } else if (LITTLE_ENDIAN_HOST) {
       // slice() copies into a fresh buffer: the data after the JSON need not be 4-byte aligned.
       array = new Float32Array(buffer.slice(offset, offset + count * 4));
     } else {

@@ -1,23 +1,27 @@
 // Tensormorph viewer: routing, state and wiring of the views. Plain ES modules, no build step,
 // nothing fetched but the API of the server that serves this page.
 //
-// The URL hash holds what is on screen (#ck=a&t=NAME&rank=R, #ck=diff&t=NAME&kind=absdiff), so a
-// view can be bookmarked or shared; the query string is left to the server (?token=...).
+// The URL hash holds what is on screen (route.js: checkpoint, tensor, rank, axes, zoom, pan, colours,
+// block summary, diff kind, pin), so a view can be bookmarked or shared. Opening a tensor, a rank or a
+// checkpoint adds a history entry; zooming, panning and colours update the current one, so Back and
+// Forward step through what the user opened. The query string is left to the server (?token=...).
 
 import { ApiError, getJSON } from './api.js';
 import { DiffView, statusLabel } from './diff.js';
-import { bytes, count, el, int, midName, shape as fmtShape } from './format.js';
+import { Finder } from './find.js';
+import { bytes, el, int, midName, shape as fmtShape } from './format.js';
+import { renderCheckpointInfo, renderConfig, renderTabs } from './header.js';
 import { Heatmap } from './heatmap.js';
 import { Inspector } from './inspector.js';
+import { Panes } from './layout.js';
+import { formatRoute, parseRoute, showCommand } from './route.js';
+import { copyText } from './share.js';
+import { diffSource, localShape, tensorSource } from './sources.js';
 import { TreeView } from './tree.js';
 
 const $ = (id) => document.getElementById(id);
 
-const CONFIG_LABELS = [
-  ['architectures', 'architecture'], ['model_type', 'model type'], ['num_hidden_layers', 'layers'],
-  ['hidden_size', 'hidden size'], ['num_attention_heads', 'attention heads'], ['num_key_value_heads', 'KV heads'],
-  ['intermediate_size', 'intermediate size'], ['vocab_size', 'vocabulary'], ['torch_dtype', 'torch dtype'],
-];
+const ROUTE_DELAY_MS = 250;  // zooms, pans and colour changes settle into one update of the URL
 
 /** Everything on screen, readable by tests through window.tensormorph.state. */
 const state = {
@@ -40,105 +44,123 @@ let heatmap;
 let tree;
 let inspector;
 let diffView = null;
+let finder;
+let panes;
 let tensorRequest = 0;
 const savedSettings = { tensor: null, diff: null };
 
 // ---------------------------------------------------------------- routing
 
-function readRoute() {
-  const p = new URLSearchParams(location.hash.slice(1));
-  const rank = p.get('rank');
-  return { ck: p.get('ck'), t: p.get('t'), rank: rank === null || rank === '' ? null : Number(rank), kind: p.get('kind') };
-}
+let restoring = false;  // a route is being applied: it adds no history entry
+let routeTimer = 0;
+let writtenHash = null;  // the hash this page wrote last, so its own change is not applied again
 
-function writeRoute() {
-  const p = new URLSearchParams();
-  if (state.active) p.set('ck', state.active);
+function currentRoute() {
+  const route = { ck: state.active };
   if (state.active === 'diff') {
-    if (state.diffSelection) p.set('t', state.diffSelection.name);
-    if (state.kind !== 'diff') p.set('kind', state.kind);
+    route.kind = state.kind;
+    if (state.diffSelection) route.t = state.diffSelection.name;
   } else if (state.selection) {
-    p.set('t', state.selection.name);
-    if (state.rank !== null) p.set('rank', String(state.rank));
+    route.t = state.selection.name;
+    route.rank = state.rank;
   }
-  const hash = `#${p.toString()}`;
-  if (hash !== location.hash) history.replaceState(null, '', `${location.pathname}${location.search}${hash}`);
+  if (route.t && heatmap.source) {
+    route.view = heatmap.viewState();
+    route.settings = heatmap.settings;
+  }
+  return route;
 }
 
+/** Put the view in the URL: a new history entry with push (a tensor, rank or checkpoint opened). */
+function writeRoute({ push = false } = {}) {
+  clearTimeout(routeTimer);
+  routeTimer = 0;
+  const hash = formatRoute(currentRoute());
+  writtenHash = hash;
+  updateShareTitles();
+  if (hash === location.hash) return;
+  const url = `${location.pathname}${location.search}${hash}`;
+  if (push && !restoring) history.pushState(null, '', url);
+  else history.replaceState(null, '', url);
+}
+
+function scheduleRoute() {
+  if (restoring || !heatmap) return;
+  clearTimeout(routeTimer);
+  routeTimer = setTimeout(() => writeRoute(), ROUTE_DELAY_MS);
+  updateShareTitles();  // the pin may have come or gone
+}
+
+/** Before the user opens something else: the current entry keeps the view as it is now. */
+function leaveEntry() {
+  if (!restoring && routeTimer) writeRoute();
+}
+
+/** Show what the URL says (at start, Back/Forward, an edited or followed link). */
 async function applyRoute() {
-  const route = readRoute();
+  if (location.hash === writtenHash) return;
+  const route = parseRoute(location.hash);
   const ids = state.checkpoints.map((c) => c.id);
-  const ck = route.ck === 'diff' && ids.length > 1 ? 'diff' : ids.includes(route.ck) ? route.ck : ids[0];
-  if (route.kind === 'absdiff' || route.kind === 'diff') state.kind = route.kind;
-  if (ck !== state.active) await activate(ck);
-  if (ck === 'diff') {
-    if (route.t && (!state.diffSelection || state.diffSelection.name !== route.t)) {
-      const rec = diffView.select(route.t);
-      if (rec) showDiffTensor(rec);
+  const first = state.checkpoints.find((c) => !c.config_only).id;
+  const ck = route.ck === 'diff' && ids.length > 1 ? 'diff' : ids.includes(route.ck) ? route.ck : first;
+  restoring = true;
+  try {
+    if (route.kind) state.kind = route.kind;
+    $('diff-kind').value = state.kind;
+    if (ck !== state.active) await activate(ck);
+    if (Object.keys(route.settings).length) heatmap.set(route.settings);
+    if (ck === 'diff') {
+      const shown = heatmap.source && state.diffSelection;
+      if (!route.t) {
+        if (state.diffSelection) await activate('diff');
+      } else if (!shown || state.diffSelection.name !== route.t || heatmap.source.params.kind !== state.kind) {
+        const rec = diffView.select(route.t);
+        if (rec) showDiffTensor(rec, { view: route.view });
+      } else {
+        await heatmap.restoreView(route.view);
+      }
+    } else if (!route.t) {
+      if (state.selection) await activate(ck);
+    } else if (!state.selection || state.selection.name !== route.t || state.rank !== route.rank || !heatmap.source) {
+      await selectTensor(route.t, { rank: route.rank, view: route.view });
+    } else {
+      await heatmap.restoreView(route.view);
     }
-  } else if (route.t && (!state.selection || state.selection.name !== route.t || state.rank !== route.rank)) {
-    await selectTensor(route.t, { rank: route.rank });
+  } finally {
+    restoring = false;
   }
+  writeRoute();
 }
 
-// ---------------------------------------------------------------- header
+// ---------------------------------------------------------------- sharing
 
-function renderTabs() {
-  const tabs = $('tabs');
-  tabs.replaceChildren();
-  for (const c of state.checkpoints) {
-    const name = c.path.split(/[\\/]/).filter(Boolean).pop() || c.path;
-    const tab = el('button', {
-      type: 'button', class: `tab${state.active === c.id ? ' on' : ''}`, role: 'tab', 'data-testid': `tab-${c.id}`,
-      'aria-selected': String(state.active === c.id), title: `${c.path}\n${c.format} · ${int(c.tensor_count)} tensors`,
-      onclick: () => go(c.id),
-    }, el('span', { class: 'id' }, c.id.toUpperCase()), el('span', { class: 'path' }, name), el('span', { class: 'fmt' }, c.format));
-    tabs.append(tab);
-  }
-  if (state.checkpoints.length > 1) {
-    tabs.append(el('button', {
-      type: 'button', class: `tab${state.active === 'diff' ? ' on' : ''}`, role: 'tab', 'data-testid': 'tab-diff',
-      'aria-selected': String(state.active === 'diff'), title: 'Compare A and B, tensor by tensor', onclick: () => go('diff'),
-    }, el('span', { class: 'id' }, 'A ⇄ B'), el('span', {}, 'Diff')));
-  }
-}
-
-function renderCheckpointInfo() {
-  const info = $('ckinfo');
+/** The `tensormorph show` command(s) of the pinned element, else of the visible region. */
+function showCommandText({ pinned = Boolean(heatmap.pin) } = {}) {
+  const index = pinned ? heatmap.pin : heatmap.regionIndex();
+  if (!index) return null;
+  const path = (id) => state.checkpoints.find((c) => c.id === id).path;
   if (state.active === 'diff') {
-    const [a, b] = state.checkpoints;
-    info.replaceChildren(el('span', { class: 'path', title: a.path }, a.path), el('span', {}, 'vs'),
-      el('span', { class: 'path', title: b.path }, b.path));
-    return;
+    const rec = state.diffSelection;
+    return rec ? `${showCommand(path('a'), rec.name_a, index)}\n${showCommand(path('b'), rec.name_b, index)}` : null;
   }
-  const s = state.summaries[state.active];
-  if (!s) return;
-  info.replaceChildren(
-    el('span', { class: 'path', title: s.path, 'data-testid': 'checkpoint-path' }, s.path),
-    el('span', { 'data-testid': 'checkpoint-format' }, el('b', {}, s.format)),
-    el('span', {}, el('b', {}, int(s.tensor_count)), ' tensors'),
-    el('span', { title: `${int(s.params)} elements` }, el('b', {}, count(s.params)), ' params'),
-    el('span', { title: `${int(s.nbytes)} bytes` }, el('b', {}, bytes(s.nbytes))),
-    el('span', {}, el('b', {}, int(s.files.length)), ` file${s.files.length === 1 ? '' : 's'}`));
+  return state.record ? showCommand(path(state.selection.ck), state.record.name, index, state.rank) : null;
 }
 
-function renderConfig(summary) {
-  const box = $('config');
-  const config = summary.config;
-  if (!config) {
-    box.hidden = true;
-    return;
-  }
-  const dl = el('dl', {});
-  for (const [key, label] of CONFIG_LABELS) {
-    let v = config[key];
-    if (v === null || v === undefined) continue;
-    if (Array.isArray(v)) v = v.join(', ');
-    dl.append(el('dt', {}, label), el('dd', { 'data-config': key }, typeof v === 'number' ? int(v) : String(v)));
-  }
-  const title = [config.architectures && config.architectures[0], config.model_type].filter(Boolean).join(' · ') || 'config.json';
-  box.replaceChildren(el('summary', {}, `Model: ${title}`), dl);
-  box.hidden = false;
+function copyShow(options) {
+  const text = showCommandText(options);
+  if (text) copyText($('toast'), text, 'command');
+}
+
+function copyLink() {
+  writeRoute();
+  copyText($('toast'), location.href, 'link');
+}
+
+function updateShareTitles() {
+  const shown = Boolean(heatmap && heatmap.source);
+  $('copy-show').disabled = !shown;
+  $('copy-show').title = heatmap && heatmap.pin ? 'Copy the tensormorph show command of the pinned element'
+    : 'Copy the tensormorph show command of the visible region';
 }
 
 // ---------------------------------------------------------------- modes
@@ -148,10 +170,20 @@ async function loadSummary(id) {
   return state.summaries[id];
 }
 
+/** A checkpoint that is only a config.json: the Plan page is what it offers. */
+function planPage(ck) {
+  return `plan.html${location.search}#ck=${encodeURIComponent(ck)}`;
+}
+
 async function activate(ck) {
+  const entry = state.checkpoints.find((c) => c.id === ck);
+  if (entry && entry.config_only) {
+    location.assign(planPage(ck));
+    return;
+  }
   const wasDiff = state.active === 'diff';
   state.active = ck;
-  renderTabs();
+  renderTabs($('tabs'), state.checkpoints, ck, go);
   const diffMode = ck === 'diff';
   document.body.classList.toggle('diff-mode', diffMode);
   $('arch-pane').hidden = diffMode;
@@ -167,9 +199,10 @@ async function activate(ck) {
   state.selection = null;
   state.record = null;
   state.diffSelection = null;
+  finder.setTarget(null);
   await heatmap.setSource(null);
   if (diffMode) {
-    renderCheckpointInfo();
+    renderCheckpointInfo($('ckinfo'), state);
     setTitle('Select a tensor in the diff table');
     inspector.message('Pick a row of the diff table to see a − b.');
     if (!diffView) diffView = new DiffView($('diff-pane'), { onSelect: (rec) => showDiffTensor(rec) });
@@ -177,22 +210,24 @@ async function activate(ck) {
     welcome();
   } else {
     const summary = await loadSummary(ck);
-    renderCheckpointInfo();
-    renderConfig(summary);
+    renderCheckpointInfo($('ckinfo'), { ...state, summary });
+    renderConfig($('config'), summary);
     tree.setSummary(summary);
-    inspector.showCheckpoint(summary);
+    inspector.showCheckpoint(ck, summary);
     setTitle('No tensor selected');
     welcome();
   }
-  writeRoute();
+  writeRoute({ push: true });
 }
 
 function go(ck) {
+  leaveEntry();
   activate(ck).catch(fail);
 }
 
+/** The diff view's colours: a − b on a diverging map (signed, block mean), |a − b| on magma (abs-max). */
 function kindSettings(kind) {
-  return kind === 'absdiff' ? { cmap: 'magma', norm: 'linear', agg: 'absmax' } : { cmap: 'diverging', norm: 'symmetric', agg: 'absmax' };
+  return kind === 'absdiff' ? { cmap: 'magma', norm: 'linear', agg: 'auto' } : { cmap: 'diverging', norm: 'symmetric', agg: 'auto' };
 }
 
 /** The canvas's empty state: the largest tensors, one click away. */
@@ -214,111 +249,102 @@ function welcome() {
       midName(t.name), el('span', { class: 'muted' }, `${fmtShape(t.shape)} · ${bytes(t.nbytes)}`)))));
 }
 
-function setTitle(text, detail = '') {
+function setTitle(text, detail = '', { name = false } = {}) {
   const title = $('view-title');
-  title.replaceChildren(text);
+  title.replaceChildren(name ? midName(text, 'mono') : el('span', { class: 'plain' }, text));
+  title.title = detail ? `${text}\n${detail}` : text;
   if (detail) title.append(el('small', {}, detail));
 }
 
 // ---------------------------------------------------------------- tensor selection
 
-/**
- * The shape of what `rank` holds, as the server's local view has it (core.local_tensor): its one
- * non-empty chunk's shape, the 1-D run of several chunks, or an empty chunk's shape.
- */
-function localShape(record, rank) {
-  const numel = (c) => c.shape.reduce((a, b) => a * b, 1);
-  const held = record.chunks.filter((c) => c.ranks.includes(rank));
-  const full = held.filter((c) => numel(c) > 0);
-  if (full.length > 1) return [full.reduce((n, c) => n + numel(c), 0)];
-  const one = full[0] || held[0];
-  return one ? one.shape : [0];
-}
-
-function tensorSource(ck, record, rank) {
-  return {
-    tensorKey: `${ck}|${record.name}`,
-    endpoint: `/api/checkpoints/${ck}/tile`,
-    params: { name: record.name, rank },
-    dims: rank === null ? record.shape : localShape(record, rank),  // the axes selector shows what is drawn
-    chunks: rank === null ? record.chunks : null,
-    probe: rank !== null,  // a local view's shape is the server's to say
-    // local(rank) indices are within the rank's chunk: the hover readout adds its offsets
-    indexOffset: rank === null ? null : (record.chunks.find((c) => c.ranks.includes(rank)) || {}).offsets || null,
-  };
-}
-
-async function selectTensor(name, { rank = null } = {}) {
+async function selectTensor(name, { rank = null, view = null } = {}) {
   if (state.active === 'diff' || !state.active) return;
+  leaveEntry();
   const ck = state.active;
   const seq = ++tensorRequest;
   state.selection = { ck, name };
   tree.reveal(name);
   $('canvas-message').replaceChildren();
-  setTitle(name, 'loading…');
+  setTitle(name, 'loading…', { name: true });
   let record;
   try {
     record = await getJSON(`/api/checkpoints/${ck}/tensor`, { name });
   } catch (err) {
     if (seq !== tensorRequest) return;
-    setTitle(name);
+    setTitle(name, '', { name: true });
     state.record = null;
     await heatmap.setSource(null);  // not the previous tensor's image under the error
     heatmap.setMessage(`Could not open the tensor: ${err.message}`, { error: true });
+    writeRoute({ push: true });
     return;
   }
   if (seq !== tensorRequest) return;
   state.record = record;
   state.rank = rank !== null && (record.ranks || []).includes(rank) ? rank : null;
-  showRecord();
-  writeRoute();
+  const shown = showRecord({ view });
+  writeRoute({ push: true });
+  await shown;
 }
 
-function showRecord() {
+/** Show the selected record in the inspector and the heatmap; resolves once the heatmap has its view. */
+function showRecord({ view = null } = {}) {
   const { record, rank } = state;
   const ck = state.selection.ck;
-  setTitle(record.name, `${record.dtype} · ${fmtShape(record.shape)} · ${rank === null ? 'full()' : `local(${rank})`}`);
+  setTitle(record.name, `${record.dtype} · ${fmtShape(record.shape)} · ${rank === null ? 'full()' : `local(${rank})`}`, { name: true });
+  heatmap.setRange(null);
   inspector.showTensor(ck, record, rank);
+  const empty = record.shape.includes(0) || (rank !== null && localShape(record, rank).includes(0));
+  finder.setTarget(empty ? null : { endpoint: `/api/checkpoints/${ck}/search`, params: { name: record.name, rank }, diff: false });
   if (record.shape.includes(0)) {
     heatmap.setSource(null);
     heatmap.setMessage('empty tensor: no elements to draw');
-    return;
+    return Promise.resolve();
   }
   if (rank !== null && localShape(record, rank).includes(0)) {
     heatmap.setSource(null);
     heatmap.setMessage(`rank ${rank} holds 0 of ${int(record.numel)} elements`);
-    return;
+    return Promise.resolve();
   }
-  heatmap.setSource(tensorSource(ck, record, rank));
+  return heatmap.setSource(tensorSource(ck, record, rank), { view });
 }
 
 function setRank(rank) {
   if (!state.record) return;
+  leaveEntry();
   state.rank = rank;
   showRecord();
-  writeRoute();
+  writeRoute({ push: true });
 }
 
-function showDiffTensor(rec) {
+/** The statistics of the tensor in view arrived: the scale may lock to their range. */
+function statsArrived(stats, { ck, name, rank }) {
+  const sel = state.selection;
+  if (!sel || sel.ck !== ck || sel.name !== name || state.rank !== rank) return;
+  const known = Number.isFinite(stats.min) && Number.isFinite(stats.max);
+  heatmap.setRange(known ? { min: stats.min, max: stats.max, absMax: stats.abs_max } : null);
+  finder.setCounts(stats);
+}
+
+function showDiffTensor(rec, { view = null } = {}) {
+  leaveEntry();
   state.diffSelection = rec;
   inspector.showDiff(rec);
-  writeRoute();
   const elementwise = rec.shape_a && rec.shape_b && JSON.stringify(rec.shape_a) === JSON.stringify(rec.shape_b);
-  setTitle(rec.name, `${statusLabel(rec.status)} · ${state.kind === 'diff' ? 'a − b' : '|a − b|'}`);
+  setTitle(rec.name, `${statusLabel(rec.status)} · ${state.kind === 'diff' ? 'a − b' : '|a − b|'}`, { name: true });
+  finder.setTarget(elementwise ? { endpoint: '/api/diff/search', params: { name: rec.name }, diff: true } : null);
   if (!elementwise) {
     heatmap.setSource(null);
     const why = rec.status === 'only_a' ? 'only in A' : rec.status === 'only_b' ? 'only in B' : 'shapes differ';
     heatmap.setMessage(`No element-wise difference to draw: ${why}.`);
+    writeRoute({ push: true });
     return;
   }
-  heatmap.setSource({
-    tensorKey: `diff|${rec.name}`,
-    endpoint: '/api/diff/tile',
-    params: { name: rec.name, kind: state.kind },
-    dims: rec.shape_a,
-    chunks: null,
-    probe: false,
-  });
+  const m = rec.max_abs;
+  const known = m !== null && m !== undefined && Number.isFinite(m);
+  heatmap.setSource(diffSource(rec, state.kind), { view });
+  heatmap.setRange(known ? { min: state.kind === 'diff' ? -m : 0, max: m, absMax: m } : null);
+  writeRoute({ push: true });
 }
 
 // ---------------------------------------------------------------- keyboard
@@ -328,6 +354,8 @@ function onKey(e) {
   const typing = target.closest && target.closest('input, select, textarea');
   if (e.key === 'Escape') {
     $('help').hidden = true;
+    $('toast').hidden = true;
+    if (heatmap.pin && !typing) heatmap.unpin();
     if (target === $('search')) {
       tree.setQuery('');
       target.blur();
@@ -345,6 +373,8 @@ function onKey(e) {
     case '1': heatmap.zoomOneToOne(); break;
     case 'c': heatmap.cycle('cmap', ['viridis', 'magma', 'diverging', 'grey', 'cividis']); break;
     case 'n': heatmap.cycle('norm', ['linear', 'symmetric', 'log', 'clip']); break;
+    case '[': panes.toggle('left'); break;
+    case ']': panes.toggle('right'); break;
     case 'ArrowLeft': heatmap.panBy(pan, 0); break;
     case 'ArrowRight': heatmap.panBy(-pan, 0); break;
     case 'ArrowUp': heatmap.panBy(0, pan); break;
@@ -375,13 +405,25 @@ async function boot() {
     messageEl: $('canvas-message'), hoverEl: $('hover-value'),
     legendLo: $('legend-lo'), legendHi: $('legend-hi'), colorbar: $('colorbar'),
     axesBox: $('axes-controls'), aggSelect: $('agg'), cmapSelect: $('cmap'), normSelect: $('norm'),
-    clipInput: $('clip'), clipWrap: $('clip-wrap'),
+    clipInput: $('clip'), clipWrap: $('clip-wrap'), lockInput: $('lock'), lockWrap: $('lock-wrap'),
+    rulerTop: $('ruler-top'), rulerLeft: $('ruler-left'), pinEl: $('pin-card'),
     onHover: (info) => inspector.highlight(info),
+    onViewChange: () => scheduleRoute(),
+    onCopyPin: () => copyShow({ pinned: true }),
   });
   inspector = new Inspector($('inspector'), {
     onRank: (rank) => setRank(rank),
     onFocusIndex: (index) => heatmap.focusIndex(index),
+    onChunk: (chunk) => (state.rank === null ? heatmap.focusBox(chunk.offsets, chunk.shape) : chunk.ranks.length && setRank(chunk.ranks[0])),
+    onStats: (stats, view) => statsArrived(stats, view),
   });
+  panes = new Panes({ toggleLeft: $('toggle-left'), toggleRight: $('toggle-right') });
+  finder = new Finder($('find-controls'), {
+    viewParams: () => { const { axes } = heatmap.slice.params(); return axes ? { axes } : {}; },
+    onFound: (result) => heatmap.showFound(result),
+  });
+  $('copy-link').addEventListener('click', copyLink);
+  $('copy-show').addEventListener('click', () => copyShow());
   tree = new TreeView({
     list: $('tree-list'), status: $('list-status'), search: $('search'), modeToggle: $('mode-toggle'),
     onSelect: (name) => selectTensor(name),
@@ -390,19 +432,23 @@ async function boot() {
     state.kind = $('diff-kind').value;
     heatmap.set(kindSettings(state.kind));
     if (state.diffSelection) showDiffTensor(state.diffSelection);
-    writeRoute();
+    else writeRoute();
   });
   $('plan-link').href = `plan.html${location.search}`;  // the token travels with it
   $('help-button').addEventListener('click', () => { $('help').hidden = !$('help').hidden; });
   $('help').addEventListener('click', (e) => { if (e.target === $('help')) $('help').hidden = true; });
   document.addEventListener('keydown', onKey);
+  // Back/Forward (popstate) and an edited hash (hashchange too): whichever comes first applies it.
+  window.addEventListener('popstate', () => applyRoute().catch(fail));
   window.addEventListener('hashchange', () => applyRoute().catch(fail));
 
   state.checkpoints = await getJSON('/api/checkpoints');
   if (!state.checkpoints.length) throw new Error('the server lists no checkpoints');
-  const route = readRoute();
-  if (route.kind) state.kind = route.kind;
-  $('diff-kind').value = state.kind;
+  if (state.checkpoints.every((c) => c.config_only)) {
+    location.replace(planPage(state.checkpoints[0].id));
+    return;
+  }
+  updateShareTitles();
   await applyRoute();
   document.body.dataset.ready = '1';
   resolveReady(state);
@@ -415,6 +461,7 @@ window.tensormorph = {
   ready,
   /** Open a tensor of the active checkpoint (tests and the console). */
   select: (name, options) => selectTensor(name, options),
+  route: () => parseRoute(location.hash),
   setRank: (rank) => setRank(rank),
   go: (ck) => activate(ck),
 };

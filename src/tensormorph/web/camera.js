@@ -24,6 +24,16 @@ export class ViewSlice {
     this.fixed = new Array(Math.max(0, nd - 2)).fill(0);
   }
 
+  /** Take axes and fixed indices from a link where they fit these dims (else keep the current ones). */
+  restore(axes, fixed) {
+    const nd = this.dims.length;
+    if (nd < 2) return;
+    if (axes && axes.length === 2 && axes[0] !== axes[1] && axes.every((d) => d < nd)) this.axes = [...axes];
+    const others = this.dims.filter((_, d) => !this.axes.includes(d));
+    if (fixed && fixed.length === nd - 2 && fixed.every((v, k) => v < others[k])) this.fixed = [...fixed];
+    else if (axes) this.fixed = new Array(nd - 2).fill(0);
+  }
+
   /** Show dimension d along `which` (0 rows, 1 cols), swapping if the other axis had it. */
   chooseAxis(which, d) {
     const other = 1 - which;
@@ -204,6 +214,33 @@ export class Camera {
     this.y0 = r + 0.5 - this.canvas.height / 2 / this.scaleY();
     this.clamp();
     return true;
+  }
+
+  /** The view element [row, col] (fractional) at the canvas centre. */
+  centre() {
+    return [this.y0 + this.canvas.height / 2 / this.scaleY(), this.x0 + this.canvas.width / 2 / this.scaleX()];
+  }
+
+  /** Zoom to `zoomCss` CSS pixels per element (clamped) centred on view element (row, col): a link's view. */
+  setView(zoomCss, row, col) {
+    if (!this.W) return false;
+    this.z = Math.max(this.zMin(), Math.min(this.zMax(), zoomCss * this.dpr));
+    this.atFit = this.z <= this.zMin();
+    this.fitted = true;
+    this.x0 = col - this.canvas.width / 2 / this.scaleX();
+    this.y0 = row - this.canvas.height / 2 / this.scaleY();
+    this.clamp();
+    return true;
+  }
+
+  /** The visible part of the view, [r0, r1) × [c0, c1) in elements (not snapped to the step grid). */
+  visible() {
+    if (!this.W) return null;
+    const r0 = Math.max(0, Math.floor(this.y0));
+    const c0 = Math.max(0, Math.floor(this.x0));
+    const r1 = Math.min(this.H, Math.ceil(this.y0 + this.canvas.height / this.scaleY() - 1e-9));
+    const c1 = Math.min(this.W, Math.ceil(this.x0 + this.canvas.width / this.scaleX() - 1e-9));
+    return r1 > r0 && c1 > c0 ? { r0, r1, c0, c1 } : null;
   }
 
   /** The view element (r, c) under canvas point (px, py); it may lie outside the view. */

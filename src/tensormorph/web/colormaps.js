@@ -101,8 +101,19 @@ export const COLORMAP_LABELS = {
   viridis: 'viridis', magma: 'magma', diverging: 'blue-white-red', grey: 'grey', cividis: 'cividis',
 };
 
-/** Colour of NaN cells: a hue none of the maps use, so missing data is never mistaken for a value. */
+/** Colours of NaN and ±Inf cells: hues none of the maps use, so they are never mistaken for a value. */
 export const NAN_RGB = [255, 0, 200];
+export const INF_RGB = [0, 232, 255];
+
+/** Bits of a tile's "nonfinite" field (docs/viewer-api.md): the block holds a NaN, a +Inf, a −Inf. */
+export const FLAG_NAN = 1;
+export const FLAG_INF = 2 | 4;
+
+/** The colour of a flagged pixel (NaN wins over Inf), or null for an all-finite block. */
+export function flagRgb(flags) {
+  if (flags & FLAG_NAN) return NAN_RGB;
+  return flags & FLAG_INF ? INF_RGB : null;
+}
 
 export const NORMALISATIONS = {
   linear: 'linear',
@@ -127,16 +138,22 @@ function quantiles(values, qs) {
 
 /**
  * Build the mapping value -> [0, 1] for one array under a normalisation.
+ * range: {lo, hi} to use instead of the values' own finite min and max (the scale locked to the
+ * tensor's global range); the percentile clip then gives way to it.
  * Returns {map(v) -> t or NaN, lo, hi, label} where lo/hi are the values at the ends of the bar.
  */
-export function makeNormaliser(values, mode, { clipPercent = 1 } = {}) {
+export function makeNormaliser(values, mode, { clipPercent = 1, range = null } = {}) {
   let lo = Infinity;
   let hi = -Infinity;
-  for (let i = 0; i < values.length; i++) {
-    const v = values[i];
-    if (Number.isFinite(v)) {
-      if (v < lo) lo = v;
-      if (v > hi) hi = v;
+  if (range) {
+    ({ lo, hi } = range);
+  } else {
+    for (let i = 0; i < values.length; i++) {
+      const v = values[i];
+      if (Number.isFinite(v)) {
+        if (v < lo) lo = v;
+        if (v > hi) hi = v;
+      }
     }
   }
   if (lo === Infinity) { lo = 0; hi = 0; }
@@ -149,7 +166,7 @@ export function makeNormaliser(values, mode, { clipPercent = 1 } = {}) {
     const m = Math.max(Math.abs(lo), Math.abs(hi));
     return { ...linear(-m, m), mode };
   }
-  if (mode === 'clip') {
+  if (mode === 'clip' && !range) {
     const [a, b] = quantiles(values, [clipPercent / 100, 1 - clipPercent / 100]);
     return { ...linear(Number.isNaN(a) ? lo : a, Number.isNaN(b) ? hi : b), mode };
   }
@@ -178,16 +195,21 @@ export function makeNormaliser(values, mode, { clipPercent = 1 } = {}) {
   return { ...linear(lo, hi), mode: 'linear' };
 }
 
-/** Paint values into RGBA pixels (an ImageData's data) through a normaliser and a colour map. */
-export function paint(values, rgba, normaliser, lut) {
+/**
+ * Paint values into RGBA pixels (an ImageData's data) through a normaliser and a colour map. flags: the
+ * tile's "nonfinite" field or null; a flagged pixel takes the NaN/Inf colour whatever its summary says,
+ * so a block holding one NaN among millions of values shows at any zoom.
+ */
+export function paint(values, rgba, normaliser, lut, flags = null) {
   const { map } = normaliser;
   for (let i = 0, p = 0; i < values.length; i++, p += 4) {
     const v = values[i];
-    if (Number.isNaN(v)) {
-      rgba[p] = NAN_RGB[0]; rgba[p + 1] = NAN_RGB[1]; rgba[p + 2] = NAN_RGB[2];
+    const special = flags && flags[i] ? flagRgb(flags[i]) : Number.isNaN(v) ? NAN_RGB : Number.isFinite(v) ? null : INF_RGB;
+    if (special) {
+      rgba[p] = special[0]; rgba[p + 1] = special[1]; rgba[p + 2] = special[2];
     } else {
       let t = map(v);
-      t = t < 0 ? 0 : t > 1 ? 1 : t;  // also maps +-Inf to the ends
+      t = t < 0 ? 0 : t > 1 ? 1 : t;
       const k = ((t * 255 + 0.5) | 0) * 3;
       rgba[p] = lut[k]; rgba[p + 1] = lut[k + 1]; rgba[p + 2] = lut[k + 2];
     }

@@ -3,10 +3,13 @@
 // index along each of the others).
 
 import { COLORMAP_LABELS, NORMALISATIONS } from './colormaps.js';
+import { resolveAgg } from './render.js';
+
+const AGG_LABELS = { absmax: 'abs-max', mean: 'mean', min: 'min', max: 'max' };
 
 /**
  * Fill and wire the settings controls. parts: the elements (aggSelect, cmapSelect, normSelect,
- * clipInput, zoomInButton, zoomOutButton, zoomFitButton); actions: set(changes), zoomBy(f), fit().
+ * clipInput, lockInput, zoomInButton, zoomOutButton, zoomFitButton); actions: set(changes), zoomBy(f), fit().
  */
 export function bindSettingsControls(parts, settings, { set, zoomBy, fit }) {
   for (const [name, label] of Object.entries(COLORMAP_LABELS)) parts.cmapSelect.append(new Option(label, name));
@@ -15,6 +18,7 @@ export function bindSettingsControls(parts, settings, { set, zoomBy, fit }) {
   parts.aggSelect.addEventListener('change', () => set({ agg: parts.aggSelect.value }));
   parts.cmapSelect.addEventListener('change', () => set({ cmap: parts.cmapSelect.value }));
   parts.normSelect.addEventListener('change', () => set({ norm: parts.normSelect.value }));
+  parts.lockInput.addEventListener('change', () => set({ lock: parts.lockInput.checked }));
   parts.clipInput.addEventListener('input', () => {
     const v = Number(parts.clipInput.value);
     if (v >= 0 && v < 50) set({ clip: v });
@@ -24,9 +28,17 @@ export function bindSettingsControls(parts, settings, { set, zoomBy, fit }) {
   parts.zoomFitButton.addEventListener('click', () => fit());
 }
 
-/** Show `settings` in the controls (the clip input only with the clip normalisation). */
-export function syncSettingsControls(parts, settings) {
+/**
+ * Show `settings` in the controls (the clip input only with the clip normalisation); rangeKnown: whether
+ * the tensor's global range is known, without which the scale cannot be locked to it.
+ */
+export function syncSettingsControls(parts, settings, rangeKnown = false) {
+  parts.aggSelect.options[0].textContent = `auto: ${AGG_LABELS[resolveAgg({ ...settings, agg: 'auto' })]}`;
   parts.aggSelect.value = settings.agg;
+  parts.lockInput.checked = Boolean(settings.lock);
+  parts.lockInput.disabled = !rangeKnown && !settings.lock;
+  parts.lockWrap.title = rangeKnown ? "Colour scale from the tensor's global min and max (its statistics), not the tiles on screen"
+    : "The tensor's statistics are not known yet (or were not computed): the scale follows the tiles on screen";
   parts.cmapSelect.value = settings.cmap;
   parts.normSelect.value = settings.norm;
   parts.clipInput.value = settings.clip;

@@ -6,6 +6,8 @@ import { getJSON } from './api.js';
 import { VirtualList } from './virtual.js';
 import { el, int, midName, percent, shape as fmtShape, value as fmtValue } from './format.js';
 
+const NAME_MIN_PX = 120;  // the name column is never dragged narrower than this
+
 const STATUS_ORDER = ['different', 'shape_mismatch', 'dtype_mismatch', 'only_a', 'only_b', 'close', 'equal'];
 
 /** Short labels for the narrow status column (data-status keeps the API's own word). */
@@ -72,10 +74,12 @@ export class DiffView {
     this.headerEl = el('div', { class: 'drow header', role: 'row' });
     this.listEl = el('div', { class: 'vlist', tabindex: 0, 'aria-label': 'Differences' });
     this.objectsEl = el('div', { class: 'objects', hidden: true });
+    // The header and the rows scroll sideways together when the name column is wider than the pane.
+    this.tableEl = el('div', { class: 'diff-table', 'data-testid': 'diff-table' }, this.headerEl, this.listEl);
     this.root.replaceChildren(
       el('div', { class: 'diff-head' }, this.summaryEl, this.chipsEl,
         el('div', { class: 'diff-filters' }, name, el('label', {}, 'atol ', atol), el('label', {}, 'rtol ', rtol))),
-      this.headerEl, this.listEl, this.objectsEl);
+      this.tableEl, this.objectsEl);
     this.vlist = new VirtualList(this.listEl, { rowHeight: 26, render: (i) => this.renderRow(i) });
     this.renderHeader();
     this.listEl.addEventListener('click', (e) => {
@@ -138,6 +142,42 @@ export class DiffView {
     }
   }
 
+  /** Give the name column `px` pixels (null: the room the pane leaves, at least the default minimum). */
+  setNameWidth(px) {
+    this.nameWidth = px === null ? null : Math.max(NAME_MIN_PX, Math.round(px));
+    const style = this.tableEl.style;
+    if (this.nameWidth === null) {
+      style.removeProperty('--diff-name-col');
+      style.removeProperty('--diff-row-min');
+    } else {
+      style.setProperty('--diff-name-col', `${this.nameWidth}px`);
+      style.setProperty('--diff-row-min', `calc(var(--diff-fixed) + ${this.nameWidth}px)`);
+    }
+  }
+
+  /** The handle on the name column's right edge: drag to resize, double-click to give the pane's room back. */
+  resizeHandle() {
+    const handle = el('span', { class: 'col-resize', 'data-testid': 'diff-name-resize', title: 'Drag to resize the name column; double-click to reset',
+      role: 'separator', 'aria-orientation': 'vertical' });
+    handle.addEventListener('click', (e) => e.stopPropagation());
+    handle.addEventListener('dblclick', (e) => { e.stopPropagation(); this.setNameWidth(null); });
+    handle.addEventListener('pointerdown', (e) => {
+      e.preventDefault();
+      e.stopPropagation();
+      const start = e.clientX;
+      const width = handle.parentElement.getBoundingClientRect().width;
+      handle.setPointerCapture(e.pointerId);
+      const move = (ev) => this.setNameWidth(width + ev.clientX - start);
+      const up = () => {
+        handle.removeEventListener('pointermove', move);
+        handle.removeEventListener('pointerup', up);
+      };
+      handle.addEventListener('pointermove', move);
+      handle.addEventListener('pointerup', up);
+    });
+    return handle;
+  }
+
   renderHeader() {
     this.headerEl.replaceChildren(...COLUMNS.map((c) => {
       const sorted = this.sort && this.sort.key === c.key;
@@ -149,6 +189,7 @@ export class DiffView {
         this.renderHeader();
         this.refresh();
       });
+      if (c.key === 'name') span.append(this.resizeHandle());
       return span;
     }));
   }

@@ -5,6 +5,7 @@
 import { getJSON } from './api.js';
 import { statusLabel } from './diff.js';
 import { bytes, count, el, int, percent, seconds, shape as fmtShape, value as fmtValue } from './format.js';
+import { IntegrityPanel } from './integrity.js';
 
 const MAX_CHUNK_ROWS = 2000;
 
@@ -24,52 +25,51 @@ function section(title, ...children) {
 export class Inspector {
   /**
    * @param {HTMLElement} root
-   * @param {{onRank: (rank: number|null) => void, onFocusIndex: (index: number[]) => void}} hooks
+   * @param {{onRank: (rank: number|null) => void, onFocusIndex: (index: number[]) => void,
+   *          onChunk: (chunk: object) => void, onStats: (stats: object, view: {ck, name, rank}) => void}} hooks
    */
-  constructor(root, { onRank, onFocusIndex }) {
+  constructor(root, { onRank, onFocusIndex, onChunk, onStats }) {
     this.root = root;
     this.onRank = onRank;
     this.onFocusIndex = onFocusIndex;
+    this.onChunk = onChunk;
+    this.onStats = onStats;
     this.statsSeq = 0;
     this.histLog = false;
     this.histLogY = false;
     this.confirmed = new Set();  // tensor keys whose above-budget read the user accepted
   }
 
-  clear() {
-    this.record = null;
-    this.root.replaceChildren();
+  /** Show `parts` (sections), leaving the checkpoint overview: a verify under way stops. */
+  show(...parts) {
+    if (this.integrity) this.integrity.close();
+    this.integrity = null;
+    this.root.replaceChildren(...parts);
   }
 
   // ---------------------------------------------------------------- checkpoint overview
 
-  showCheckpoint(summary) {
+  /** The checkpoint overview: figures, dtypes, its integrity (files, parity, verify) and objects. */
+  showCheckpoint(ck, summary) {
     this.record = null;
     const dtypes = el('table', { class: 'chunks' },
       el('tr', {}, el('th', {}, 'dtype'), el('th', {}, 'tensors'), el('th', {}, 'params'), el('th', {}, 'bytes')));
     for (const [d, t] of Object.entries(summary.totals_by_dtype || {})) {
       dtypes.append(el('tr', {}, el('td', {}, d), el('td', {}, int(t.tensors)), el('td', {}, count(t.params)), el('td', {}, bytes(t.nbytes))));
     }
-    const files = el('div', { class: 'chunks-wrap' });
-    const list = el('table', { class: 'chunks' }, el('tr', {}, el('th', {}, `${summary.files.length} file(s)`)));
-    for (const f of summary.files.slice(0, 500)) list.append(el('tr', {}, el('td', {}, f)));
-    files.append(list);
+    const panel = new IntegrityPanel(ck, summary);
     const parts = [
       section('Checkpoint', el('div', { class: 'insp-name' }, summary.path),
         facts([['format', summary.format], ['tensors', int(summary.tensor_count)], ['params', `${count(summary.params)} (${int(summary.params)})`],
           ['bytes', `${bytes(summary.nbytes)} (${int(summary.nbytes)})`]])),
       section('By dtype', el('div', { class: 'chunks-wrap' }, dtypes)),
-      section('Files', files),
+      ...panel.sections,
     ];
-    if (summary.objects && summary.objects.length) {
-      const objects = el('table', { class: 'chunks' }, el('tr', {}, el('th', {}, 'object'), el('th', {}, 'bytes')));
-      for (const o of summary.objects.slice(0, 500)) objects.append(el('tr', {}, el('td', {}, o.name), el('td', {}, bytes(o.nbytes))));
-      parts.push(section(`Other objects (${summary.objects.length})`, el('div', { class: 'chunks-wrap' }, objects)));
-    }
     const meta = Object.entries(summary.metadata || {}).filter(([, v]) => v !== null && typeof v !== 'object');
     if (meta.length) parts.push(section('Metadata', facts(meta.slice(0, 40).map(([k, v]) => [k, String(v)]))));
     parts.push(section('Tip', el('p', { class: 'note' }, 'Pick a tensor on the left. Search takes names, shapes such as 4096x* and dtypes such as bf16.')));
-    this.root.replaceChildren(...parts);
+    this.show(...parts);
+    this.integrity = panel;
   }
 
   // ---------------------------------------------------------------- tensor
@@ -134,7 +134,7 @@ export class Inspector {
 
     this.statsEl = el('div', { 'data-testid': 'stats', class: 'stats' });
     const statsSection = section('Statistics', this.statsEl);
-    this.root.replaceChildren(head, storage, placement, statsSection);
+    this.show(head, storage, placement, statsSection);
     this.renderCost();
     this.loadStats();
   }
@@ -162,18 +162,25 @@ export class Inspector {
   chunksTable(record, rank) {
     const wrap = el('div', { class: 'chunks-wrap' });
     const partial = Boolean(record.reduction);
+    // The file goes last and gives way (cut, whole in its title): the short columns always show.
     const table = el('table', { class: 'chunks', 'data-testid': 'chunks' },
-      el('tr', {}, el('th', {}, '#'), el('th', {}, 'offsets'), el('th', {}, 'shape'), el('th', {}, 'file'), el('th', {}, 'ranks'),
-        partial ? el('th', { title: 'which Partial contribution this box belongs to' }, 'contribution') : null));
+      el('tr', {}, el('th', {}, '#'), el('th', {}, 'offsets'), el('th', {}, 'shape'), el('th', {}, 'ranks'),
+        partial ? el('th', { title: 'which Partial contribution this box belongs to' }, 'contrib.') : null, el('th', {}, 'file')));
     this.chunkRows = [];
     const chunks = record.chunks || [];
+    const local = rank !== null && rank !== undefined;
     chunks.slice(0, MAX_CHUNK_ROWS).forEach((c, i) => {
-      const mine = rank !== null && rank !== undefined && c.ranks.includes(rank);
-      const tr = el('tr', { class: mine ? 'mine' : null, 'data-chunk': i },
-        el('td', {}, String(i)), el('td', {}, `[${c.offsets.join(', ')}]`), el('td', {}, fmtShape(c.shape)),
-        el('td', { title: c.byte_range ? `bytes ${c.byte_range[0]}–${c.byte_range[1]}` : '' }, c.file),
-        el('td', {}, c.ranks.length ? c.ranks.join(',') : '–'),
-        partial ? el('td', {}, String(c.contribution)) : null);
+      const mine = local && c.ranks.includes(rank);
+      const open = () => this.onChunk(c);
+      const tr = el('tr', {
+        class: `pick${mine ? ' mine' : ''}`, 'data-chunk': i, tabindex: 0,
+        title: local ? `Show local(${c.ranks[0] ?? '?'})` : 'Show this chunk in the heatmap',
+        onclick: open, onkeydown: (e) => { if (e.key === 'Enter') open(); },
+      },
+      el('td', {}, String(i)), el('td', {}, `[${c.offsets.join(', ')}]`), el('td', {}, fmtShape(c.shape)),
+      el('td', {}, c.ranks.length ? c.ranks.join(',') : '–'),
+      partial ? el('td', {}, String(c.contribution)) : null,
+      el('td', { class: 'file', title: `${c.file}${c.byte_range ? `\nbytes ${c.byte_range[0]}–${c.byte_range[1]}` : ''}` }, c.file));
       this.chunkRows.push(tr);
       table.append(tr);
     });
@@ -209,6 +216,7 @@ export class Inspector {
       if (seq !== this.statsSeq) return;
       if (confirmed) this.confirmed.add(rankKey);
       this.renderStats(stats);
+      this.onStats(stats, { ck: this.ck, name: rec.name, rank: this.rank ?? null });
     } catch (err) {
       if (seq !== this.statsSeq) return;
       if (err.status === 409) this.renderOverBudget(err.body, rankKey);
@@ -351,10 +359,10 @@ export class Inspector {
         el('button', { class: 'btn secondary', type: 'button', 'data-testid': 'goto-worst', style: { marginTop: '6px' },
           onclick: () => this.onFocusIndex(rec.worst_index) }, 'Show it in the heatmap')));
     }
-    this.root.replaceChildren(...parts);
+    this.show(...parts);
   }
 
   message(text) {
-    this.root.replaceChildren(section('Inspector', el('p', { class: 'note' }, text)));
+    this.show(section('Inspector', el('p', { class: 'note' }, text)));
   }
 }

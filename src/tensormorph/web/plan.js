@@ -1,5 +1,7 @@
 // Tensormorph placement planner page: the form's devices and workload go to /api/plan, and the answer is
 // drawn as one stacked bar per device (weights, KV cache, activations, reserve, free), sized by memory.
+// It says what it plans: a decoder's prefill and decoding with a KV cache, or an encoder's one forward pass
+// (no KV cache, no decoding). A folder holding only a config.json opens here (#ck=ID picks a checkpoint).
 
 import { ApiError, apiUrl, getJSON } from './api.js';
 import { bytes, count, el, int } from './format.js';
@@ -41,6 +43,7 @@ async function run() {
     $('plan-bars').replaceChildren();
     $('plan-overall').replaceChildren();
     $('plan-notes').replaceChildren();
+    $('plan-what').textContent = '';
     verdict(`Cannot plan: ${err.message}`, 'bad');
   }
   state.runs += 1;
@@ -52,6 +55,7 @@ function rate(tokens, seconds) {
 }
 
 function ms(seconds) {
+  if (seconds === null || seconds === undefined) return '–';
   if (seconds >= 1) return `${seconds.toFixed(2)} s`;
   return seconds >= 1e-3 ? `${(seconds * 1e3).toFixed(2)} ms` : `${(seconds * 1e6).toFixed(1)} µs`;
 }
@@ -92,9 +96,18 @@ function holds(d) {
 
 function render(p) {
   const m = p.model;
-  $('plan-model').replaceChildren(el('span', {}, el('b', {}, m.name)), el('span', {}, el('b', {}, count(m.params)), ' params'),
+  const encoder = p.model_kind === 'encoder';
+  document.body.classList.toggle('encoder', encoder);
+  $('optimize').disabled = encoder;  // an encoder has no decoding to optimise for, nor a KV cache
+  $('cache-dtype').disabled = encoder;
+  $('plan-model').replaceChildren(...[el('span', {}, el('b', {}, m.name)), el('span', {}, el('b', {}, count(m.params)), ' params'),
     el('span', {}, el('b', {}, bytes(m.weight_bytes)), ` ${m.dtype}`), el('span', {}, el('b', {}, int(m.layers)), ' layers'),
-    el('span', {}, `${p.strategy} · ${int(p.workload.context)} × ${p.workload.batch} tokens`));
+    el('span', { 'data-testid': 'plan-kind' }, encoder ? 'encoder-only' : 'decoder'),
+    m.source === 'config' ? el('span', { title: m.path }, 'from config.json (no weights)') : null,
+    el('span', {}, `${p.strategy} · ${int(p.workload.context)} × ${p.workload.batch} tokens`)].filter(Boolean));
+  $('plan-what').textContent = p.plans ? `Plans: ${p.plans}.` : '';
+  const speed = (d) => (encoder ? ` · forward ${rate(p.workload.batch * p.workload.context, d.prefill.stage_s)}`
+    : ` · decode ${rate(p.workload.batch, d.decode.stage_s)} · prefill ${rate(p.workload.batch * p.workload.context, d.prefill.stage_s)}`);
   const scale = Math.max(...p.devices.map((d) => Math.max(d.memory, d.used)));
   $('plan-bars').replaceChildren(...p.devices.map((d) => el('div', {
     class: 'plan-device', 'data-testid': 'plan-device', 'data-device': d.device,
@@ -102,11 +115,12 @@ function render(p) {
   el('div', { class: 'label' }, d.device, el('small', {}, holds(d))),
   bar(d, scale),
   el('div', { class: 'detail' }, `${bytes(d.used)} / ${bytes(d.memory)} · `,
-    d.fits ? `${bytes(d.free)} free` : el('b', { class: 'bad' }, `over by ${bytes(-d.free)}`),
-    ` · decode ${rate(p.workload.batch, d.decode.stage_s)} · prefill ${rate(p.workload.batch * p.workload.context, d.prefill.stage_s)}`))));
+    d.fits ? `${bytes(d.free)} free` : el('b', { class: 'bad' }, `over by ${bytes(-d.free)}`), speed(d)))));
   const o = p.overall;
-  $('plan-overall').replaceChildren(`Overall: decode ${rate(p.workload.batch, o.decode_step_s)} (${ms(o.decode_step_s)} per step), `
-    + `prefill ${rate(p.workload.batch * p.workload.context, o.prefill_s)} (${ms(o.prefill_s)}). `,
+  const tokens = p.workload.batch * p.workload.context;
+  $('plan-overall').replaceChildren(encoder ? `Overall: one forward pass ${rate(tokens, o.prefill_s)} (${ms(o.prefill_s)}). `
+    : `Overall: decode ${rate(p.workload.batch, o.decode_step_s)} (${ms(o.decode_step_s)} per step), `
+    + `prefill ${rate(tokens, o.prefill_s)} (${ms(o.prefill_s)}). `,
   el('span', { 'data-testid': 'plan-bottleneck' }, `Bottleneck (${p.bottleneck.limit}): ${p.bottleneck.reason}`));
   if (p.fits) {
     verdict('Fits.', 'good');
@@ -127,8 +141,12 @@ function verdict(text, kind) {
 async function boot() {
   $('viewer-link').href = `./${location.search}`;
   state.checkpoints = await getJSON('/api/checkpoints');
+  // nothing to view but configs: the viewer would only send us back here
+  $('viewer-link').hidden = state.checkpoints.every((c) => c.config_only);
   $('ck').replaceChildren(...state.checkpoints.map((c) => el('option', { value: c.id },
-    `${c.id.toUpperCase()} · ${modelName(c.path)}`)));
+    `${c.id.toUpperCase()} · ${modelName(c.path)}${c.config_only ? ' (config.json)' : ''}`)));
+  const wanted = new URLSearchParams(location.hash.slice(1)).get('ck');
+  if (state.checkpoints.some((c) => c.id === wanted)) $('ck').value = wanted;
   $('plan-form').addEventListener('submit', (e) => { e.preventDefault(); run(); });
   await run();
   document.body.dataset.ready = '1';

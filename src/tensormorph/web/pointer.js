@@ -5,17 +5,18 @@
 import { int, value as fmtValue } from './format.js';
 
 const NBSP = '\u00a0';
+const CLICK_SLOP_CSS = 4;  // a press that moves less than this (CSS pixels) is a click: it pins
 
 /**
  * Listen to the canvas. handlers: dpr, hasView() (false: leave the wheel to the page),
- * panBy(dx, dy), zoomAt(px, py, factor), hoverAt({px, py} or null when the pointer left).
+ * panBy(dx, dy), zoomAt(px, py, factor), hoverAt({px, py} or null when the pointer left), clickAt(px, py).
  */
-export function attachPointer(canvas, { dpr, hasView, panBy, zoomAt, hoverAt }) {
+export function attachPointer(canvas, { dpr, hasView, panBy, zoomAt, hoverAt, clickAt }) {
   let drag = null;
   canvas.addEventListener('pointerdown', (e) => {
     if (e.button !== 0) return;
     canvas.focus({ preventScroll: true });
-    drag = { x: e.clientX, y: e.clientY, moved: false };
+    drag = { x: e.clientX, y: e.clientY, travel: 0 };
     canvas.setPointerCapture(e.pointerId);
   });
   canvas.addEventListener('pointermove', (e) => {
@@ -23,7 +24,7 @@ export function attachPointer(canvas, { dpr, hasView, panBy, zoomAt, hoverAt }) 
       const dx = e.clientX - drag.x;
       const dy = e.clientY - drag.y;
       if (Math.abs(dx) + Math.abs(dy) > 0) {
-        drag.moved = true;
+        drag.travel += Math.abs(dx) + Math.abs(dy);
         canvas.classList.add('dragging');
         drag.x = e.clientX;
         drag.y = e.clientY;
@@ -34,6 +35,7 @@ export function attachPointer(canvas, { dpr, hasView, panBy, zoomAt, hoverAt }) 
   });
   const end = (e) => {
     if (drag) canvas.releasePointerCapture(e.pointerId);
+    if (drag && e.type === 'pointerup' && drag.travel < CLICK_SLOP_CSS) clickAt(e.offsetX * dpr, e.offsetY * dpr);
     drag = null;
     canvas.classList.remove('dragging');
   };

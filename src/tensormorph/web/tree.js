@@ -28,8 +28,9 @@ function globToRegExp(glob, { dim = false } = {}) {
 /**
  * Compile a search query into a predicate over tensor records. Terms are ANDed. A term is a
  * shape glob when it looks like dims joined by "x"/"×" ("4096x*", "*x384"), a dtype when it names
- * one present in the checkpoint ("bf16", "F32"), else a name substring or glob. Prefixes
- * name:, shape: and dtype: force the kind.
+ * one present in the checkpoint ("bf16", "F32"), a bare number ("384": a dimension of that size,
+ * or the number in the name), else a name substring or glob. Prefixes name:, shape: and dtype: force
+ * the kind.
  */
 export function compileQuery(query, dtypesPresent) {
   const present = new Set(dtypesPresent.map((d) => d.toUpperCase()));
@@ -40,6 +41,11 @@ export function compileQuery(query, dtypesPresent) {
     if (!term) continue;
     const shapeTerm = term.replace(/×/g, 'x').replace(/,/g, 'x').toLowerCase();
     const dtypeTerm = DTYPE_ALIASES[term.toLowerCase()] || term.toUpperCase();
+    if (!kind && /^\d+$/.test(term)) {
+      const n = Number(term);
+      tests.push((t) => t.shape.includes(n) || t.name.includes(term));
+      continue;
+    }
     if (!kind) {
       if (/^[\d*?]+(x[\d*?]+)+$/.test(shapeTerm) || /^\*x?$/.test(shapeTerm)) kind = 'shape';
       else if (present.has(dtypeTerm)) kind = 'dtype';
@@ -59,6 +65,17 @@ export function compileQuery(query, dtypesPresent) {
     }
   }
   return (t) => tests.every((test) => test(t));
+}
+
+/**
+ * Rows whose badges do not fit beside the name take their short forms (S, F). In the tree they stay whole,
+ * the (short) name giving way; in the flat list the long name keeps its room. All sizes are read before
+ * any class is set (one layout).
+ */
+function compactTags(rows) {
+  const crowded = rows.map((row) => row.querySelector('.tags')).filter((tags) => tags && tags.children.length
+    && (tags.scrollHeight > tags.clientHeight + 1 || tags.scrollWidth > tags.clientWidth + 1));
+  for (const tags of crowded) tags.classList.add('compact');
 }
 
 function foldRange(node) {
@@ -85,7 +102,7 @@ export class TreeView {
     this.rows = [];
     this.cursor = -1;
     this.selected = null;
-    this.vlist = new VirtualList(list, { rowHeight: ROW_HEIGHT, render: (i) => this.renderRow(i) });
+    this.vlist = new VirtualList(list, { rowHeight: ROW_HEIGHT, render: (i) => this.renderRow(i), afterDraw: compactTags });
 
     let timer = 0;
     search.addEventListener('input', () => {
@@ -95,6 +112,19 @@ export class TreeView {
     modeToggle.addEventListener('click', (e) => {
       const button = e.target.closest('button[data-mode]');
       if (button) this.setMode(button.dataset.mode);
+    });
+    // From the search box, ↓ goes into the results and Enter opens the first (or the one under the cursor).
+    search.addEventListener('keydown', (e) => {
+      if (e.key !== 'ArrowDown' && e.key !== 'Enter') return;
+      clearTimeout(timer);
+      if (this.query !== search.value.trim()) this.setQuery(search.value);
+      if (!this.rows.length) return;
+      e.preventDefault();
+      const row = e.key === 'Enter' ? this.rows[Math.max(0, this.cursor)] : this.rows[0];
+      this.cursor = this.rows.indexOf(row);
+      if (e.key === 'ArrowDown') list.focus({ preventScroll: true });
+      this.activate(row, { toggleIfModule: true });
+      this.vlist.scrollToIndex(this.cursor);
     });
     list.addEventListener('keydown', (e) => this.onKey(e));
     list.addEventListener('click', (e) => this.onClick(e));
@@ -234,10 +264,12 @@ export class TreeView {
     return bar;
   }
 
+  /** Badges; each has a long and a short text (S, F), the short one for a narrow list (style.css). */
   tags(sharded, multiFile, tensor) {
     const out = [];
-    if (sharded) out.push(el('span', { class: 'tag sharded', 'data-testid': 'badge-sharded', title: 'placement-sharded: split across ranks' }, 'sharded'));
-    if (multiFile) out.push(el('span', { class: 'tag multifile', 'data-testid': 'badge-multi-file', title: 'spread over several files' }, 'files'));
+    const text = (long, short) => [el('span', { class: 'long' }, long), el('span', { class: 'short' }, short)];
+    if (sharded) out.push(el('span', { class: 'tag sharded', 'data-testid': 'badge-sharded', title: 'placement-sharded: split across ranks' }, text('sharded', 'S')));
+    if (multiFile) out.push(el('span', { class: 'tag multifile', 'data-testid': 'badge-multi-file', title: 'spread over several files' }, text('files', 'F')));
     if (tensor && tensor.file_shard) {
       const [k, n] = tensor.file_shard;
       out.push(el('span', { class: 'tag shard', title: `file-level: shard ${k} of ${n} (${tensor.files[0]})` }, `${k}/${n}`));
@@ -251,9 +283,10 @@ export class TreeView {
     if (i === this.cursor) classes.push('cursor');
     if (this.flat) {
       const t = row.tensor;
+      classes.push('flat');
       if (t.name === this.selected) classes.push('selected');
       const sharded = t.chunk_count > 1 && !t.file_shard;
-      return el('div', { class: classes.join(' '), 'data-testid': 'tensor-row', 'data-name': t.name, 'data-index': i, title: `${t.name}\n${t.split}` },
+      return el('div', { class: classes.join(' '), 'data-testid': 'tensor-row', 'data-name': t.name, 'data-index': i, title: `${t.name}\n${t.dtype} · ${t.split}` },
         el('span', { class: 'name', style: { paddingLeft: '10px' } },
           midName(t.name, 'label'), el('span', { class: 'tags' }, ...this.tags(sharded, t.files.length > 1, t))),
         el('span', { class: 'num' }, fmtShape(t.shape)),
@@ -281,16 +314,19 @@ export class TreeView {
       if (open) bits.push(this.instancePicker(node));
     }
     const tensorRecord = isTensor ? this.byName.get(row.path) : null;
-    // Ancestors of split tensors would all carry the same tags: show them where they inform,
-    // on tensors and on collapsed modules.
-    if (isTensor || !open) bits.push(el('span', { class: 'tags' }, ...this.tags(node.placement_sharded, node.multi_file, tensorRecord)));
+    // Ancestors of split tensors would all carry the same tags: show them where they inform, on tensors
+    // (their own record's: inside a folded layer that is the chosen instance's) and on collapsed modules.
+    const tags = tensorRecord
+      ? this.tags(tensorRecord.chunk_count > 1 && !tensorRecord.file_shard, tensorRecord.files.length > 1, tensorRecord)
+      : this.tags(node.placement_sharded, node.multi_file, null);
+    if (isTensor || !open) bits.push(el('span', { class: 'tags' }, ...tags));
     const shareTotal = percent(node.nbytes / this.total);
     return el('div', {
       class: classes.join(' '), 'data-testid': 'tree-node', 'data-path': row.path, 'data-index': i,
       role: 'treeitem', 'aria-level': row.depth + 1, 'aria-expanded': hasKids ? String(open) : null,
       title: `${row.path}${node.repeat > 1 ? ` (×${node.repeat})` : ''}\n${count(node.params)} params · ${bytes(node.nbytes)} · ${shareTotal} of checkpoint\n${mix.title}`,
     },
-    el('span', { class: 'name', style: { paddingLeft: `${4 + row.depth * 14}px` } }, ...bits),
+    el('span', { class: 'name', style: `--depth: ${row.depth}` }, ...bits),
     el('span', { class: 'num' }, isTensor ? fmtShape(node.tensor.shape) : count(node.params)),
     el('span', { class: 'num bytes' }, bytes(node.nbytes), this.sizeBar(node.nbytes, row.parentBytes, node.dtypes)),
     el('span', { class: 'dt', title: mix.title }, mix.text));

@@ -4,12 +4,14 @@
 export class VirtualList {
   /**
    * @param {HTMLElement} container  scrollable element (overflow: auto), emptied and owned by the list
-   * @param {{rowHeight: number, render: (i: number) => HTMLElement, overscan?: number}} options
+   * @param {{rowHeight: number, render: (i: number) => HTMLElement, overscan?: number,
+   *          afterDraw?: (rows: HTMLElement[]) => void}} options  afterDraw: adjust the rows once laid out
    */
-  constructor(container, { rowHeight, render, overscan = 8 }) {
+  constructor(container, { rowHeight, render, overscan = 8, afterDraw = null }) {
     this.container = container;
     this.rowHeight = rowHeight;
     this.render = render;
+    this.afterDraw = afterDraw;
     this.overscan = overscan;
     this.count = 0;
     this.spacer = document.createElement('div');
@@ -52,6 +54,7 @@ export class VirtualList {
       rows.push(row);
     }
     this.window.replaceChildren(...rows);
+    if (this.afterDraw) this.afterDraw(rows);
   }
 
   /** Scroll the least needed to show row i. */
