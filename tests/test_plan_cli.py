@@ -93,3 +93,12 @@ def test_bad_input_is_one_line_and_exit_2(llama3, args, message):
     assert result.exit_code == 2
     assert message in result.output.replace("\n", " ")
     assert "Traceback" not in result.output and result.output.count("error:") == 1
+
+
+def test_an_encoder_plan_shows_no_decoding_and_no_kv_cache() -> None:
+    from fixtures.builders import minilm_dir
+
+    result = CliRunner().invoke(plan_command, [str(minilm_dir()), "--device", "cuda:0=8GiB,tflops=100,bw=1000"])
+    assert result.exit_code == 0, result.output
+    assert "encoder-only (bert): one forward pass" in result.output and "overall: encode " in result.output
+    assert "decode" not in result.output and "KV cache" not in result.output.replace("no KV cache", "")

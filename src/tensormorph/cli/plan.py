@@ -49,26 +49,31 @@ def plan_command(source: str, devices: tuple[str, ...], link: float | None, cont
 def render(p: Plan) -> list[Any]:
     """The plan as rich renderables: a header, the per-device table, totals, bottleneck, shortfall, notes."""
     m, w = p.model, p.workload
+    encoder = m.arch.encoder  # an encoder-only model decodes nothing: no KV cache or decode figures
     cache = w.cache_dtype or m.act_dtype
     header = (f"[bold]{escape(m.name)}[/bold]  {m.params / 1e9:.2f} B params, {human_bytes(m.nbytes)} in {m.dtype}, "
-              f"{m.arch.layers} layers  ·  context {w.context:,} × batch {w.batch}, KV cache {cache}  ·  "
-              f"{p.strategy}, optimised for {w.optimize}")
+              f"{m.arch.layers} layers  ·  context {w.context:,} × batch {w.batch}"
+              + ("" if encoder else f", KV cache {cache}") + f"  ·  {p.strategy}"
+              + ("" if encoder else f", optimised for {w.optimize}") + f"\n{escape(p.plans)}")
     table = Table(box=None, header_style="bold", pad_edge=False)
-    for column in ("device", "layers" if p.strategy == "pipeline" else "share", "weights", "KV cache",
-                   "activations", "reserve", "used / memory", "free", "decode tok/s", "prefill tok/s"):
+    rows = [{"device": row.name, "layers" if p.strategy == "pipeline" else "share": escape(_holds(row)),
+             "weights": human_bytes(row.weights), "KV cache": human_bytes(row.kv_cache),
+             "activations": human_bytes(row.activations), "reserve": human_bytes(row.reserve),
+             "used / memory": f"{human_bytes(row.used)} / {human_bytes(row.device.memory)}",
+             "free": human_bytes(row.free) if row.fits else f"[red]{human_bytes(row.free)}[/red]",
+             "decode tok/s": _rate(w.batch, row.decode_stage_s),
+             "prefill tok/s": _rate(w.batch * w.context, row.prefill_stage_s)} for row in p.devices]
+    columns = [c for c in rows[0] if not (encoder and c in ("KV cache", "decode tok/s"))] if rows else []
+    for column in columns:
         table.add_column(column, justify="left" if column in ("device", "layers", "share") else "right")
-    for row in p.devices:
-        table.add_row(row.name, escape(_holds(row)), human_bytes(row.weights), human_bytes(row.kv_cache),
-                      human_bytes(row.activations), human_bytes(row.reserve),
-                      f"{human_bytes(row.used)} / {human_bytes(row.device.memory)}",
-                      human_bytes(row.free) if row.fits else f"[red]{human_bytes(row.free)}[/red]",
-                      _rate(w.batch, row.decode_stage_s), _rate(w.batch * w.context, row.prefill_stage_s))
+    for cells in rows:
+        table.add_row(*(cells[c] for c in columns))
     lines: list[Any] = [header, table]
     links = ", ".join(f"{g:g}" for g in p.links)
-    lines.append(f"overall: decode [bold]{p.decode_tokens_per_s:,.1f} tok/s[/bold] "
-                 f"({p.decode_step_s * 1e3:,.2f} ms per step), "
-                 f"prefill [bold]{p.prefill_tokens_per_s:,.0f} tok/s[/bold] "
-                 f"({p.prefill_time_s:,.2f} s for {w.batch}×{w.context:,} tokens)"
+    decode = "" if encoder else (f"decode [bold]{p.decode_tokens_per_s:,.1f} tok/s[/bold] "
+                                 f"({p.decode_step_s * 1e3:,.2f} ms per step), ")
+    lines.append(f"overall: {decode}{'encode' if encoder else 'prefill'} [bold]{p.prefill_tokens_per_s:,.0f} "
+                 f"tok/s[/bold] ({p.prefill_time_s:,.2f} s for {w.batch}×{w.context:,} tokens)"
                  + (f"; links {links} GB/s" if p.links else ""))
     lines.append(f"bottleneck ({p.bottleneck.limit}): {escape(p.bottleneck.reason)}")
     if p.shortfall is not None:
