@@ -140,7 +140,7 @@ def test_tiers_list_and_clean_a_dead_run(tmp_path):
     ckpt = Checkpointer(tmp_path / "run", memory_every=1, disk_every=2, memory_dir=memory,
                         release_memory_on_close=False)
     _train(ckpt, model, opt, range(1, 4))
-    listed = CliRunner().invoke(main, ["tiers", "list", str(tmp_path / "run"), "--memory-dir", memory, "--json"])
+    listed = CliRunner().invoke(main, ["list", str(tmp_path / "run"), "--memory-dir", memory, "--json"])
     assert listed.exit_code == 0, listed.output
     report = json.loads(listed.output)
     assert [(r["step"], r["disk"], r["memory"]["ranks"]) for r in report["steps"]] == [
@@ -153,7 +153,7 @@ def test_tiers_list_and_clean_a_dead_run(tmp_path):
     assert cleaned.exit_code == 0, cleaned.output
     assert json.loads(cleaned.output)["released_bytes"] == report["ranks"][0]["bytes"]
     assert not run_folder(ckpt.root, memory).exists()
-    human = CliRunner().invoke(main, ["tiers", "list", str(tmp_path / "run"), "--memory-dir", memory])
+    human = CliRunner().invoke(main, ["list", str(tmp_path / "run"), "--memory-dir", memory])
     assert human.exit_code == 0 and "step        2  memory -" in human.output
 
 

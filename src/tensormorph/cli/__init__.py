@@ -15,7 +15,7 @@ from .integrity import repair_command, verify_command
 from .output import parse_storage_options
 from .plan import plan_command
 from .tensors import inspect, show, stats
-from .tiers import tiers_command
+from .tiers import list_command, tiers_command
 from .viewer import view_command
 
 
@@ -37,7 +37,7 @@ def main(ctx: click.Context, storage_options: tuple[str, ...], cache_dir: str | 
 
 
 for _command in (inspect, show, stats, diff_command, verify_command, repair_command, convert_command, view_command,
-                 plan_command, tiers_command):
+                 plan_command, list_command, tiers_command):
     main.add_command(_command)
 
 __all__ = ["main"]

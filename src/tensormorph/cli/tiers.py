@@ -1,5 +1,5 @@
-"""`tiers list` and `tiers clean`: a training run's checkpoints on each tier, and the release of the shared
-memory a dead run left behind on this machine."""
+"""`list` and `tiers clean`: a training run's checkpoints on each tier, and the release of the shared memory a
+dead run left behind on this machine."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ MEMORY_DIR_HELP = "Where memory snapshots live (default /dev/shm/tensormorph, as
 
 @click.group("tiers")
 def tiers_command() -> None:
-    """A training run's checkpoints on each tier (memory on this machine, disk)."""
+    """A training run's tiers: `tiers clean` releases what a dead run left in this machine's memory."""
 
 
 def _run_state(run: str, memory_dir: str | None) -> tuple[Path, list, list]:
@@ -29,7 +29,7 @@ def _run_state(run: str, memory_dir: str | None) -> tuple[Path, list, list]:
     return folder, survey(folder) if folder.is_dir() else [], manager.list()
 
 
-@tiers_command.command("list")
+@click.command("list")
 @click.argument("run")
 @click.option("--memory-dir", default=None, help=MEMORY_DIR_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
