@@ -41,7 +41,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from .bench_train_async import LAYERS, PREFAULT, RANKS, WIDTH
+from .bench_train_async import LAYERS, PREFAULT, RANKS, WIDTH, build_training
 from .common import (
     files_under,
     fmt_bytes,
@@ -75,31 +75,6 @@ TARGET_MEMORY_S = 0.2  # durable in memory within this
 TARGET_RESTART = 5.0  # memory at least this many times faster than local disk
 
 
-def _build(world: int) -> tuple[Any, Any, Any]:
-    """The model of bench_train_async on `world` ranks, its AdamW, and one training step."""
-    import torch
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batch = torch.randn(4, WIDTH)
-
-    def train_step() -> None:
-        model(batch).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-
-    return model, opt, train_step
-
-
 def _fingerprint(model: Any, opt: Any) -> int:
     """CRC-32 of this rank's parameters and optimizer state (local shards), in parameter order."""
     crc = 0
@@ -131,7 +106,7 @@ def _worker(rank: int, world: int, port: int, work: str) -> None:
 
     init_gloo(rank, world, port)
     root = Path(work)
-    model, opt, train_step = _build(world)
+    model, opt, train_step = build_training(world)
     train_step()  # AdamW's moments exist from here on
     local_bytes = sum(p.to_local().numel() * 4 * 3 for p in model.parameters())
     ours = {"memory": Checkpointer(root / "memory", memory_every=1, disk_every=DISK_NEVER, async_save=True),
@@ -237,7 +212,7 @@ def _restart(rank: int, world: int, port: int, work: str, tier: str, spawned: fl
 
     entered = time.time()
     init_gloo(rank, world, port)
-    model, opt, train_step = _build(world)
+    model, opt, train_step = build_training(world)
     ckpt = Checkpointer(Path(work) / "restart", memory_every=1 if tier == "memory" else None,
                         disk_every=DISK_NEVER, async_save=True, release_memory_on_close=False)
     built = time.time()

@@ -49,20 +49,14 @@ PREFAULT = 2 * GiB  # per rank
 METHODS = ("ours_sync", "ours_async", "dcp_async")
 
 
-def _worker(rank: int, world: int, port: int, work: str) -> None:
+def build_training(world: int) -> tuple[Any, Any, Any]:
+    """The benchmark's model, FSDP2-sharded on `world` ranks, its AdamW, and one training step (bench_tiers too)."""
     import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from torch import nn
-    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from tensormorph.train import Checkpointer
-
     torch.set_num_threads(1)
-    init_gloo(rank, world, port)
-    root = Path(work)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     mesh = init_device_mesh("cpu", (world,))
@@ -77,6 +71,21 @@ def _worker(rank: int, world: int, port: int, work: str) -> None:
         opt.step()
         opt.zero_grad()
 
+    return model, opt, train_step
+
+
+def _worker(rank: int, world: int, port: int, work: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tensormorph.train import Checkpointer
+
+    torch.set_num_threads(1)
+    init_gloo(rank, world, port)
+    root = Path(work)
+    model, opt, train_step = build_training(world)
     train_step()  # AdamW's moments exist from here on
     local_bytes = sum(p.to_local().numel() * 4 * 3 for p in model.parameters())
     # no retention: old checkpoints are deleted between saves, off the clock, for all three alike

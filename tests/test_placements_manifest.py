@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_tensormorph_format import _rewrite_manifest as rewrite
 
 import tensormorph as tm
 from tensormorph.errors import CheckpointError, ChunkLayoutError, HeaderError
@@ -60,15 +61,6 @@ def partial_checkpoint(path, op="sum", count=3, dtype=np.float32, values=None):
     box_of = lambda box: tuple(slice(o, o + n) for o, n in zip(*box))  # noqa: E731
     write_layout(path, values[0].shape, (count,), [f"Partial({op})"], lambda r, box: values[r][box_of(box)], dtype)
     return values
-
-
-def rewrite(folder, edit) -> None:
-    """Apply `edit` to the manifest body and store it with a correct checksum (to reach deeper checks)."""
-    body = json.loads((folder / MANIFEST).read_text())["body"]
-    edit(body)
-    text = json.dumps(body, separators=(",", ":"))
-    (folder / MANIFEST).write_text(json.dumps({"manifest_crc32c": f"{crc32c.crc32c(text.encode()):08x}",
-                                               "body": body}, separators=(",", ":")))
 
 
 @pytest.mark.parametrize("op", ["sum", "avg", "min", "max"])
@@ -206,6 +198,23 @@ def test_a_strided_shard_with_an_inconsistent_split_factor_is_refused(tmp_path):
         tm.open(tmp_path / "five")
 
 
+def _max_contributions_manifest(count: int, placement: str = "Partial(max)") -> bytes:
+    """A manifest of one 1-element tensor with `count` contributions, one 4-byte chunk each in one file."""
+    body = {"format": "tensormorph", "version": 1, "created": "", "world_size": count, "writer": {},
+            "checksum": {"algorithm": "crc32c", "block": 65536},
+            "files": {"rank-00000.safetensors": {"size": 4 * count, "crc32c": "00000000", "rank": 0}},
+            "tensors": {"w": {"dtype": "F32", "shape": [1],
+                              "mesh": {"shape": [count], "ranks": list(range(count)), "dim_names": None},
+                              "placements": [placement],
+                              "chunks": [{"file": "rank-00000.safetensors", "offsets": [0], "shape": [1],
+                                          "byte_range": [4 * i, 4 * i + 4], "crc32c": "AAAAAA==", "rank": i,
+                                          "holders": [i], "contribution": i} for i in range(count)]}},
+            "objects": {}, "extra": {}}
+    text = json.dumps(body, separators=(",", ":"))
+    return json.dumps({"manifest_crc32c": f"{crc32c.crc32c(text.encode()):08x}", "body": body},
+                      separators=(",", ":")).encode()
+
+
 def test_layout_checks_stay_linear_at_100000_chunks():
     """A Partial tensor of 100,000 one-row contributions: parsed and checked in well under a second each way."""
     import time
@@ -214,20 +223,7 @@ def test_layout_checks_stay_linear_at_100000_chunks():
     from tensormorph.tmformat.placement_check import checked_chunks
 
     count = 100_000
-    crc = "AAAAAA=="
-    body = {"format": "tensormorph", "version": 1, "created": "", "world_size": count, "writer": {},
-            "checksum": {"algorithm": "crc32c", "block": 65536},
-            "files": {"rank-00000.safetensors": {"size": 4 * count, "crc32c": "00000000", "rank": 0}},
-            "tensors": {"w": {"dtype": "F32", "shape": [1],
-                              "mesh": {"shape": [count], "ranks": list(range(count)), "dim_names": None},
-                              "placements": ["Partial(max)"],
-                              "chunks": [{"file": "rank-00000.safetensors", "offsets": [0], "shape": [1],
-                                          "byte_range": [4 * i, 4 * i + 4], "crc32c": crc, "rank": i,
-                                          "holders": [i], "contribution": i} for i in range(count)]}},
-            "objects": {}, "extra": {}}
-    text = json.dumps(body, separators=(",", ":"))
-    raw = json.dumps({"manifest_crc32c": f"{crc32c.crc32c(text.encode()):08x}", "body": body},
-                     separators=(",", ":")).encode()
+    raw = _max_contributions_manifest(count)
     started = time.perf_counter()
     manifest = parse(raw, "manifest.json")
     chunks = checked_chunks("w", manifest.tensors["w"], "manifest.json", lambda _: LayoutOnly())
@@ -359,18 +355,7 @@ def test_a_box_of_a_partial_tensor_over_100000_ranks_reads_in_linear_time(tmp_pa
     count = 100_000
     values = np.arange(count, dtype=np.float32)[::-1].copy()
     (tmp_path / "rank-00000.safetensors").write_bytes(values.tobytes())
-    body = {"format": "tensormorph", "version": 1, "created": "", "world_size": count, "writer": {},
-            "checksum": {"algorithm": "crc32c", "block": 65536},
-            "files": {"rank-00000.safetensors": {"size": 4 * count, "crc32c": "00000000", "rank": 0}},
-            "tensors": {"w": {"dtype": "F32", "shape": [1],
-                              "mesh": {"shape": [count], "ranks": list(range(count)), "dim_names": None},
-                              "placements": ["Partial(min)"],
-                              "chunks": [{"file": "rank-00000.safetensors", "offsets": [0], "shape": [1],
-                                          "byte_range": [4 * i, 4 * i + 4], "crc32c": "AAAAAA==", "rank": i,
-                                          "holders": [i], "contribution": i} for i in range(count)]}},
-            "objects": {}, "extra": {}}
-    text = json.dumps(body, separators=(",", ":"))
-    raw = json.dumps({"manifest_crc32c": f"{crc32c.crc32c(text.encode()):08x}", "body": body}).encode()
+    raw = _max_contributions_manifest(count, "Partial(min)")
     out = np.empty(1, np.float32)
     with BoxReader(parse(raw, "manifest.json"), LocalFiles(tmp_path), str(tmp_path), verify=False) as reader:
         reader.read_box("w", ((0,), (1,)), out)  # each contribution's chunks found once: not 100,000 scans each
