@@ -55,7 +55,8 @@ def blocks() -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def view_url(serve, tmp_path_factory) -> str:
-    tensors = {"blocks": blocks(), "cube": cube()}
+    noise = np.random.default_rng(7).standard_normal((512, 1024)).astype(np.float32)  # a sample is not a mean
+    tensors = {"blocks": blocks(), "cube": cube(), "noise": noise}
     for k, name in enumerate(LAYERS):
         tensors[name] = (np.arange(48 * 64, dtype=np.float32).reshape(48, 64) * (k + 1)) % 97
     folder = write_safetensors(tmp_path_factory.mktemp("view") / "ck", tensors)
@@ -349,3 +350,22 @@ def test_chunk_rows_open_their_chunk(page):
     page.wait_for_function("window.tensormorph.state.rank === 1")
     page.locator('[data-testid=chunks] tr[data-chunk="3"]').press("Enter")
     page.wait_for_function("window.tensormorph.state.rank === 3")
+
+
+def test_the_exact_tile_keeps_the_scale_of_the_view(vpage):
+    """On values that vary inside every block (a sample and a block mean differ), the legend the approximate tile
+    set stays when the exact tile of the same view arrives: one colour scale for both."""
+    page = vpage
+    held = []
+    tiles = re.compile(r"/api/checkpoints/a/tile\?")
+    page.route(tiles, lambda route: held.append(route) if "exact=1" in route.request.url else route.continue_())
+    select(page, "noise")
+    page.wait_for_function("() => window.tensormorph.state.heatmap.approximate === true")
+    set_display(page, "diverging", "mean")
+    before = page.locator(".legend").inner_text()
+    page.unroute(tiles)
+    for route in held:
+        with contextlib.suppress(PlaywrightError):
+            route.continue_()
+    page.wait_for_function(EXACT_TILE)
+    assert page.locator(".legend").inner_text() == before

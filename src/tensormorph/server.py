@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import threading
@@ -118,7 +119,9 @@ class Viewer:
         """The tensor's finite range when its statistics ran, else None."""
         with self._lock:
             known = self._stats.get((cid, tensor.name))
-        return None if known is None else {"min": known.min, "max": known.max, "absmax": known.abs_max}
+        if known is None or known.min is None or known.max is None or known.abs_max is None:
+            return None  # not computed yet, or no finite value: the header is left out, as documented
+        return {"min": known.min, "max": known.max, "absmax": known.abs_max}
 
     def nonfinite(self, cid: str, tensor: LogicalTensor, *, scan: bool = False) -> NonFinite | None:
         """Where the tensor's NaN and Inf are: known, or scanned now when `scan` or the tensor is small."""
@@ -129,7 +132,14 @@ class Viewer:
                 return known
         if not scan and tensor.nbytes > NONFINITE_SCAN_BYTES:
             return None
-        found = nonfinite(tensor)
+        try:
+            found = nonfinite(tensor)
+        except CheckpointError:
+            if scan:
+                raise
+            # a damaged block elsewhere must not fail tiles of the intact parts: they fall back to their samples,
+            # and the scan is not tried again for every tile
+            found = NonFinite.unknown(tensor.shape)
         self.remember_nonfinite(cid, tensor, found)
         return found
 
@@ -165,7 +175,7 @@ class Viewer:
             reports = list(self._diff.values())
         for report in reports:
             for entry in report.tensors:
-                if entry.name == name and entry.max_abs is not None:
+                if entry.name == name and entry.max_abs is not None and math.isfinite(entry.max_abs):
                     top = entry.max_abs
                     return {"min": -top if kind == "diff" else 0.0, "max": top, "absmax": top}
         return None

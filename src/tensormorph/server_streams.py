@@ -68,11 +68,16 @@ def search_endpoint(request: Request) -> Response:
     """Find the first NaN or Inf, or the largest |x|, smallest or largest value of a tensor (NDJSON)."""
     _, tensor = _tensor(request)
     find = choice_param(request, "find", FINDS)
+    skip = _skip(request)
+    axes = _axes(request, tensor)
+    return ndjson(_search_lines(tensor_search_steps(tensor, find, skip=skip), tensor, axes))
+
+
+def _skip(request: Request) -> int:
     skip = int_param(request, "skip", 0)
     if skip < 0:
         raise ApiError(400, "parameter 'skip' must be at least 0")
-    axes = _axes(request, tensor)
-    return ndjson(_search_lines(tensor_search_steps(tensor, find, skip=skip), tensor, axes))
+    return skip
 
 
 def diff_search_endpoint(request: Request) -> Response:
@@ -80,7 +85,7 @@ def diff_search_endpoint(request: Request) -> Response:
     a, b = _viewer(request).aligned(request.query_params.get("name"))
     find = choice_param(request, "find", DIFF_FINDS, "absdiff")
     axes = _axes(request, a)
-    return ndjson(_search_lines(search_diff_steps(a, b, find), a, axes))
+    return ndjson(_search_lines(search_diff_steps(a, b, find, skip=_skip(request)), a, axes))
 
 
 def nonfinite_endpoint(request: Request) -> Response:
@@ -146,7 +151,7 @@ def integrity_endpoint(request: Request) -> JSONResponse:
 # (path, endpoint, query parameters): server.py routes them and lists them in its OpenAPI description
 STREAM_ROUTES: list[tuple[str, Callable[[Request], Response], list[str]]] = [
     ("/api/checkpoints/{cid}/search", search_endpoint, ["name", "find", "rank", "axes", "skip"]),
-    ("/api/diff/search", diff_search_endpoint, ["name", "find", "axes"]),
+    ("/api/diff/search", diff_search_endpoint, ["name", "find", "axes", "skip"]),
     ("/api/checkpoints/{cid}/nonfinite", nonfinite_endpoint, ["name", "rank"]),
     ("/api/checkpoints/{cid}/verify", verify_endpoint, ["full"]),
     ("/api/checkpoints/{cid}/integrity", integrity_endpoint, []),

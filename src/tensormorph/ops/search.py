@@ -83,6 +83,11 @@ class NonFinite:
         """A tensor known to hold only finite values."""
         return NonFinite(shape, 0, 0, np.empty(0, np.int64), np.empty(0, np.uint8), True)
 
+    @staticmethod
+    def unknown(shape: tuple[int, ...]) -> NonFinite:
+        """A tensor whose scan could not finish (a damaged block): nothing listed, nothing promised."""
+        return NonFinite(shape, 0, 0, np.empty(0, np.int64), np.empty(0, np.uint8), False)
+
     def difference(self, other: NonFinite, *, absolute: bool = False) -> NonFinite:
         """Where a − b (|a − b| with absolute) is not finite, for a = self and b = other of one shape: a position
         is non-finite on either side; its flag is the class of the difference of the two classes."""
@@ -258,9 +263,10 @@ def search(tensor: LogicalTensor, find: str, *, skip: int = 0, block_bytes: int 
     return _run(search_steps(tensor, find, skip=skip, block_bytes=block_bytes), progress)
 
 
-def search_diff_steps(a: LogicalTensor, b: LogicalTensor, find: str, *,
+def search_diff_steps(a: LogicalTensor, b: LogicalTensor, find: str, *, skip: int = 0,
                       block_bytes: int = DEFAULT_BLOCK_BYTES) -> Generator[Progress | SearchResult, None, None]:
-    """Progress after every block, then the SearchResult (see `search_diff`)."""
+    """Progress after every block, then the SearchResult (see `search_diff`); "nan" and "inf" pass over `skip`
+    hits (the page's "next")."""
     if find not in DIFF_FINDS:
         raise CheckpointError(f"unknown diff search {find!r}: use one of {', '.join(DIFF_FINDS)}", tensor=a.name)
     if a.shape != b.shape:
@@ -288,11 +294,12 @@ def search_diff_steps(a: LogicalTensor, b: LogicalTensor, find: str, *,
                 pair = (float(left64[at]), float(right64[at]))
         elif delta.size and not np.isfinite(delta).all():
             hits = np.flatnonzero(np.isnan(delta) if find == "nan" else np.isinf(delta))
-            if hits.size:
-                k = int(hits[0])
+            if skip < hits.size:
+                k = int(hits[skip])
                 yield SearchResult(find, True, _locate(box, k), float(delta[k]), done, float(left64[k]),
                                    float(right64[k]))
                 return
+            skip -= hits.size
         yield Progress(done, total)
     if find == "absdiff" and extreme.index is not None:
         yield SearchResult(find, True, extreme.index, float(extreme.value), done, *pair)
@@ -300,11 +307,12 @@ def search_diff_steps(a: LogicalTensor, b: LogicalTensor, find: str, *,
         yield SearchResult(find, False, None, None, done)
 
 
-def search_diff(a: LogicalTensor, b: LogicalTensor, find: str = "absdiff", *, block_bytes: int = DEFAULT_BLOCK_BYTES,
+def search_diff(a: LogicalTensor, b: LogicalTensor, find: str = "absdiff", *, skip: int = 0,
+                block_bytes: int = DEFAULT_BLOCK_BYTES,
                 progress: Callable[[Progress], None] | None = None) -> SearchResult:
     """Find in a − b of two tensors of one shape: "absdiff", the largest finite |a − b| (value |a − b|, with
-    both sides), or the first "nan" / "inf" of a − b; read block by block from both sides."""
-    return _run(search_diff_steps(a, b, find, block_bytes=block_bytes), progress)
+    both sides), or the first "nan" / "inf" of a − b past `skip` of them; read block by block from both sides."""
+    return _run(search_diff_steps(a, b, find, skip=skip, block_bytes=block_bytes), progress)
 
 
 def _run(steps: Iterator[Progress | SearchResult], progress: Callable[[Progress], None] | None) -> SearchResult:

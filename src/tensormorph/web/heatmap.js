@@ -84,7 +84,8 @@ export class Heatmap {
   lockRange() {
     if (this.range) return this.range;
     const scale = this.tiles.layers.map((t) => t.scale).filter(Boolean).pop();
-    return scale ? { min: scale.min, max: scale.max, absMax: scale.absmax } : null;
+    const finite = scale && [scale.min, scale.max, scale.absmax].every(Number.isFinite);
+    return finite ? { min: scale.min, max: scale.max, absMax: scale.absmax } : null;
   }
 
   cycle(key, names) {
@@ -106,6 +107,7 @@ export class Heatmap {
     this.source = source;
     this.failed = false;
     this.tiles.clear();
+    this.renderer.fitKey = '';  // another tensor: its first tile sets the scale afresh
     this.renormalise();  // the legend goes with the tiles
     this.readout.reset();
     this.setMessage('');

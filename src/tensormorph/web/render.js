@@ -63,25 +63,31 @@ export class Renderer {
     this.legend = legend;
     this.normaliser = null;
     this.normKey = '';  // identifies the normaliser, so a tile painted with it is not repainted
+    this.fitKey = '';  // the view and settings the unlocked scale was fitted for
   }
 
   /**
    * One colour scale for every tile on screen, whichever is approximate or exact: fitted to the values
-   * of the newest tile inside `region` (the visible region, as a fresh page showing this view would load
-   * it, so that a link shows the same colours) under the block summary in force, or to `range` (the
-   * tensor's {min, max, absMax}) when settings.lock is on. Tiles are repainted only when it changes.
+   * of the first tile shown for the visible `region` (as a fresh page showing this view would load it, so
+   * that a link shows the same colours) under the block summary in force, and kept when the exact tile of
+   * that view arrives; refitted when the view or a setting changes. Or `range` (the tensor's
+   * {min, max, absMax}) when settings.lock is on. Tiles are repainted only when it changes.
    */
   renormalise(layers, settings, range, region) {
     const { legendLo, legendHi, colorbar } = this.legend;
     const newest = layers[layers.length - 1];
     if (!newest) {
       this.normaliser = null;
-      this.normKey = '';
+      this.normKey = this.fitKey = '';
       legendLo.textContent = legendHi.textContent = '';
       return;
     }
     const agg = resolveAgg(settings);
     const locked = settings.lock ? rangeFor(range, agg) : null;
+    const fit = [agg, settings.cmap, settings.norm, settings.clip, Boolean(locked),
+      region ? [region.r0, region.r1, region.c0, region.c1].join(',') : ''].join(':');
+    if (!locked && fit === this.fitKey && this.normaliser) return;  // the same view: the exact tile keeps the scale
+    this.fitKey = fit;
     const values = region ? within(newest, valuesOf(newest, agg), region) : valuesOf(newest, agg);
     const n = makeNormaliser(values, settings.norm, { clipPercent: settings.clip, range: locked });
     const key = [agg, settings.cmap, settings.norm, settings.clip, n.lo, n.hi].join(':');

@@ -6,7 +6,18 @@
 // (row, column), pin the tensor index of a pinned element. The query string is the server's (?token=...).
 // Pure functions: nothing here touches the page.
 
+import { COLORMAPS, NORMALISATIONS } from './colormaps.js';
+
 const SETTING_KEYS = ['cmap', 'norm', 'agg', 'clip'];
+const SUMMARIES = ['auto', 'mean', 'absmax', 'min', 'max'];
+const own = (table, key) => Object.prototype.hasOwnProperty.call(table, key);
+// what a setting from a link may be: anything else (a typo, `constructor`) is left out, never drawn with
+const VALID = {
+  cmap: (v) => own(COLORMAPS, v),
+  norm: (v) => own(NORMALISATIONS, v),
+  agg: (v) => SUMMARIES.includes(v),
+  clip: (v) => Number.isFinite(v) && v >= 0 && v < 50,
+};
 const ZOOM_DIGITS = 4;  // significant digits of a zoom in the URL: well below a pixel on any screen
 const AT_PIXEL_DIGITS = 3;  // the centre to 1/1000 of a pixel at the link's zoom, so text lands where it was
 
@@ -28,7 +39,11 @@ export function parseRoute(hash) {
   const zoom = Number(p.get('zoom'));
   const at = numbers(p.get('at'));
   const settings = {};
-  for (const key of SETTING_KEYS) if (p.has(key)) settings[key] = key === 'clip' ? Number(p.get(key)) : p.get(key);
+  for (const key of SETTING_KEYS) {
+    if (!p.has(key)) continue;
+    const value = key === 'clip' ? Number(p.get(key)) : p.get(key);
+    if (VALID[key](value)) settings[key] = value;
+  }
   if (p.has('lock')) settings.lock = p.get('lock') === '1';
   const kind = p.get('kind');
   return {
