@@ -45,6 +45,14 @@ def _train(ckpt: Checkpointer, model, opt, steps: range) -> dict[str, torch.Tens
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _memory_folder(root, memory_dir=None) -> Path:
+    """Where the run under `root` keeps its memory snapshots (named by the root and the run's id in it)."""
+    from tensormorph.train.manager import CheckpointManager
+
+    manager = CheckpointManager(root, None)
+    return run_folder(manager.root, memory_dir, manager.run_id())
+
+
 def _flip_byte(path: Path, at: int = -8) -> None:
     data = bytearray(path.read_bytes())
     data[at] ^= 0xFF
@@ -80,7 +88,7 @@ def test_resumes_from_memory_without_reading_the_disk(tmp_path, async_save):
     for key in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(fresh_opt.state_dict()["state"][0][key], opt.state_dict()["state"][0][key])
     again.close()
-    assert not run_folder(again.root, tmp_path / "shm").exists()  # a finished run's memory is released
+    assert not _memory_folder(again.root, tmp_path / "shm").exists()  # a finished run's memory is released
 
 
 def test_a_damaged_snapshot_falls_back_to_disk_and_says_why(tmp_path):
@@ -152,7 +160,7 @@ def test_tiers_list_and_clean_a_dead_run(tmp_path):
     cleaned = CliRunner().invoke(main, ["tiers", "clean", str(tmp_path / "run"), "--memory-dir", memory, "--json"])
     assert cleaned.exit_code == 0, cleaned.output
     assert json.loads(cleaned.output)["released_bytes"] == report["ranks"][0]["bytes"]
-    assert not run_folder(ckpt.root, memory).exists()
+    assert not _memory_folder(ckpt.root, memory).exists()
     human = CliRunner().invoke(main, ["list", str(tmp_path / "run"), "--memory-dir", memory])
     assert human.exit_code == 0 and "step        2  memory -" in human.output
 
@@ -174,7 +182,7 @@ def test_two_ranks_killed_resume_from_shared_memory_bitwise_identical(zygote, tm
     second = Run(zygote, tmp_path, "b", 2, [*root, *argv, "--markers", "14"])
     second.line("DURABLE 14")
     second.kill()
-    memory = run_folder((tmp_path / "run").absolute())
+    memory = _memory_folder(tmp_path / "run")
     lost = next(memory.glob("*/rank-00001/step-00000014"))
     shutil.rmtree(lost)
     third = Run(zygote, tmp_path, "c", 2, [*root, *argv])
@@ -210,10 +218,10 @@ def test_a_lost_node_is_restored_from_its_buddies_memory_bitwise_identical(zygot
     first = Run(zygote, tmp_path, "a", 4, [*root, *argv, "--markers", "6"])
     first.line("DURABLE 6")
     first.kill()
-    memory = run_folder((tmp_path / "run").absolute())
+    memory = _memory_folder(tmp_path / "run")
     held = sorted(p.relative_to(memory).as_posix() for p in memory.glob("*/rank-*/peer-*/step-*"))
     assert held == [f"{node}/rank-{r:05d}/peer-{o:05d}/step-{s:08d}" for node, r, o in
-                    (("a", 0, 2), ("a", 1, 3), ("b", 2, 0), ("b", 3, 1)) for s in (5, 6)]
+                    (("a", 0, 2), ("a", 1, 3), ("b", 2, 0), ("b", 3, 1)) for s in (4, 5, 6)]  # 3 kept with peers
     shutil.rmtree(memory / "b")  # the node is lost, with its memory
     assert not list((tmp_path / "run").glob("step-*"))  # and there is no disk checkpoint to fall back on
     second = Run(zygote, tmp_path, "b", 4, [*root, *argv])
@@ -308,7 +316,7 @@ def test_sigkill_during_memory_snapshots_never_resumes_an_incomplete_step(zygote
         zygote.kill(pid)
         assert zygote.wait(pid) == -signal.SIGKILL
         saved = _saved(log)
-        folder = next(run_folder(root.absolute(), shm).glob("*/rank-00000"))
+        folder = next(_memory_folder(root, shm).glob("*/rank-00000"))
         cut_short += any(p.name.startswith(".") and p.is_dir() for p in folder.iterdir())
 
         ckpt = Checkpointer(root, keep=2, memory_every=1, disk_every=3, memory_dir=shm,
@@ -326,7 +334,7 @@ def test_sigkill_during_memory_snapshots_never_resumes_an_incomplete_step(zygote
     assert from_memory >= TRIALS // 2
     cleaned = CliRunner().invoke(main, ["tiers", "clean", str(root), "--memory-dir", str(shm)])
     assert cleaned.exit_code == 0, cleaned.output
-    assert not run_folder(root.absolute(), shm).exists() and not any(shm.rglob("*.safetensors"))
+    assert not _memory_folder(root, shm).exists() and not any(shm.rglob("*.safetensors"))
 
 
 def test_sigkill_during_peer_copies_never_resumes_an_incomplete_step(zygote, tmp_path):
@@ -361,7 +369,7 @@ def test_sigkill_during_peer_copies_never_resumes_an_incomplete_step(zygote, tmp
         assert codes[0] == -signal.SIGKILL and codes[1] in (-signal.SIGKILL, 1), (codes, logs[1].read_text()[-1500:])
         last_seen = ready
         if trial % 2 == 0:  # node b is lost with its memory: its rank must get its snapshot from node a's copy
-            shutil.rmtree(next(run_folder(root.absolute(), shm).glob("b")), ignore_errors=True)
+            shutil.rmtree(next(_memory_folder(root, shm).glob("b")), ignore_errors=True)
     assert via_peer >= TRIALS // 4, f"only {via_peer} runs were restored from a peer's copy"
 
 
@@ -402,3 +410,96 @@ def test_sigkill_during_the_drain_never_leaves_a_broken_copy(zygote, tmp_path, s
         newest = stored[-1].step if stored else newest
         shutil.rmtree(root, ignore_errors=True)  # this machine's disk is lost: the next run has the store only
     assert len(copies_seen) >= 3
+
+
+# ---- found in review: rollbacks, re-created folders, preemption, exceptions, strict, failing uploads ----------
+
+def _memory_run(tmp_path, **options):
+    return Checkpointer(tmp_path / "run", memory_every=1, disk_every=100, memory_dir=tmp_path / "shm",
+                        release_memory_on_close=False, **options)
+
+
+def test_a_rollback_abandons_the_later_snapshots(tmp_path):
+    model, opt = _training()
+    ckpt = _memory_run(tmp_path)
+    for step in range(1, 11):
+        _step(model, opt, step)
+        ckpt.save(step, model=model, optimizer=opt, extra={"timeline": "a"})
+    ckpt.close()
+    again = _memory_run(tmp_path)
+    assert again.resume(model=model, optimizer=opt, step=10) == 10
+    again.close()
+    rolled = _memory_run(tmp_path)
+    # steps 1-8 are not on disk (disk_every=100): a rollback goes to the newest memory snapshot kept (9)
+    assert rolled.resume(model=model, optimizer=opt, step=9) == 9 and rolled.memory_steps() == (9,)
+    for step in range(10, 13):
+        _step(model, opt, step)
+        rolled.save(step, model=model, optimizer=opt, extra={"timeline": "b"})
+    rolled.close()
+    last = _memory_run(tmp_path)
+    assert last.resume(model=model, optimizer=opt) == 12 and last.extra == {"timeline": "b"}
+    last.close()
+
+
+def test_a_new_run_in_a_recreated_folder_does_not_resume_the_old_runs_memory(tmp_path):
+    model, opt = _training()
+    ckpt = _memory_run(tmp_path)
+    _train(ckpt, model, opt, range(1, 4))
+    ckpt.close()
+    shutil.rmtree(tmp_path / "run")
+    fresh = _memory_run(tmp_path)
+    assert fresh.resume(model=model, optimizer=opt) == 0 and fresh.resumed_from is None
+    fresh.close()
+
+
+def test_leaving_on_an_exception_keeps_the_memory_and_strict_is_kept(tmp_path):
+    model, opt = _training()
+    with pytest.raises(RuntimeError, match="crash"), Checkpointer(
+            tmp_path / "run", memory_every=1, disk_every=100, memory_dir=tmp_path / "shm") as ckpt:
+        _train(ckpt, model, opt, range(1, 4))
+        raise RuntimeError("crash")
+    again = _memory_run(tmp_path)
+    assert again.resume(model=model, optimizer=opt) == 3 and again.resumed_from == "memory"
+    # the snapshot holds the optimizer: resuming the model alone is a mismatch, from memory as from disk
+    with pytest.raises(Exception, match="optimizer"):
+        again.resume(model=model)
+    assert again.resume(model=model, strict=False) == 3 and again.resumed_from == "memory"
+    again.close()
+
+
+def test_a_stop_request_saves_to_disk_even_when_memory_is_due(tmp_path):
+    import os
+    import signal
+
+    model, opt = _training()
+    ckpt = _memory_run(tmp_path)
+    ckpt.save_on_signal(signal.SIGUSR1)
+    _train(ckpt, model, opt, range(1, 3))
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert ckpt.stop_requested()
+    _step(model, opt, 3)
+    with pytest.raises(SystemExit):
+        ckpt.save(3, model=model, optimizer=opt)
+    assert [i.step for i in ckpt.list()] == [3]  # a preempted machine takes its memory with it
+    assert ckpt.timings[-1].tiers == ("memory", "disk")
+    ckpt.close()
+
+
+def test_a_damaged_snapshot_manifest_falls_back_and_a_failing_upload_is_kept(tmp_path):
+    model, opt = _training()
+    # a storage option the client refuses: a TypeError, not a CheckpointError, on every use of the store
+    broken = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}, "key": "k", "secret": "s", "retries": 0}
+    with pytest.warns(UserWarning, match="cannot list the object store"):
+        ckpt = Checkpointer(tmp_path / "run", memory_every=1, disk_every=2, memory_dir=tmp_path / "shm",
+                            release_memory_on_close=False, remote="s3://nowhere/run", remote_every=2,
+                            remote_storage_options=broken)
+    with pytest.warns(UserWarning, match="copying the checkpoint of step 2"):
+        _train(ckpt, model, opt, range(1, 4))  # the copy fails, training goes on, wait() returns
+    assert len(ckpt.remote_errors) == 1 and "step 2" in ckpt.remote_errors[0]
+    ckpt.close()
+    manifest = next((tmp_path / "shm").rglob("step-00000003/manifest.json"))
+    _flip_byte(manifest, 40)
+    again = Checkpointer(tmp_path / "run", memory_every=1, disk_every=2, memory_dir=tmp_path / "shm")
+    assert again.resume(model=model, optimizer=opt) == 2 and again.resumed_from == "disk"
+    assert "step 3 in memory" in again.resume_notes[0]
+    again.close()

@@ -25,7 +25,7 @@ def _run_state(run: str, memory_dir: str | None) -> tuple[Path, list, list]:
     from ..train.memory import run_folder, survey
 
     manager = CheckpointManager(run, None)
-    folder = run_folder(manager.root, memory_dir)
+    folder = run_folder(manager.root, memory_dir, manager.run_id())
     return folder, survey(folder) if folder.is_dir() else [], manager.list()
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -91,8 +92,12 @@ class Checkpointer:
         self._save = Collective(dist.new_group(backend="gloo") if distributed else None)
         self._control = Collective(dist.new_group(backend="gloo") if distributed else None)
         self._staging = Staging()
-        self._memory = MemoryTier(self.root, self._control.rank, keep=memory_keep, memory_dir=memory_dir, node=node) \
-            if memory_every is not None else None
+        run_id = self._control.decide(lambda: self._manager.run_id(create=True), "cannot use the folder", self.root) \
+            if memory_every is not None else ""
+        # with peers a third snapshot is kept: a buddy's copies may lag a rank's own by one, and a lost node's
+        # ranks need a step both hold
+        self._memory = MemoryTier(self.root, self._control.rank, keep=max(memory_keep, 3) if peers else memory_keep,
+                                  memory_dir=memory_dir, node=node, run_id=run_id) if memory_every is not None else None
         self._peers = None
         if peers and self._memory is not None:  # every rank passes the same arguments: the group is made by all
             group = Collective(dist.new_group(backend="gloo") if distributed else None)
@@ -108,9 +113,12 @@ class Checkpointer:
         self._control.barrier()
         self._seq = self._control.decide(self._manager.prepare, "cannot use the folder", self.root)
         if remote_manager is not None:  # commit order continues the object store's, whatever the disk lost
-            self._seq = max(self._seq, self._control.decide(
-                lambda: max((i.seq for i in remote_manager.list()), default=0), "cannot list the object store",
-                remote_manager.root))
+            try:
+                self._seq = max(self._seq, self._control.decide(
+                    lambda: max((i.seq for i in remote_manager.list()), default=0), "cannot list the object store",
+                    remote_manager.root))
+            except CheckpointError as exc:  # training can go on without it; its copies are retried at each save
+                warnings.warn(f"{exc}; commit order goes on from the local checkpoints", stacklevel=2)
 
     @property
     def root(self) -> AnyPath:
@@ -165,8 +173,8 @@ class Checkpointer:
         timing = SaveTiming(step, path, tiers=tiers)
         if not tiers and not self._preemption.stopping:
             return timing  # no tier is due at this step
-        if not tiers:
-            tiers = timing.tiers = ("disk",)  # the last save before a stop goes to disk
+        if self._preemption.stopping and "disk" not in tiers:
+            tiers = timing.tiers = (*tiers, "disk")  # the last save before a stop goes to disk: memory may go too
         self._staging.wait()  # the save in flight; never the copy to the object store
         state, meta = self._collect(step, model, optimizer, scheduler, scaler, dataloader, extra)
         # what a checkpoint cannot hold is refused here, naming the entry, before anything is written
@@ -224,12 +232,13 @@ class Checkpointer:
             memory = self._memory
             outcomes = self._save.everyone(lambda: memory.save(timing.step, state, meta), label="memory snapshot: ")
             failed = failures(outcomes)
-            if failed:  # every rank raises alike, and none waits for a copy that will not come
-                raise CheckpointError(f"memory snapshot of step {timing.step} failed: {failed[0]}", file=str(path))
-            timing.memory_s = time.perf_counter() - started
-            if self._peers is not None:
-                self._peers.exchange(outcomes[self._save.rank].unwrap())
-                timing.peer_s = time.perf_counter() - started
+            if failed:  # every rank sees it alike: no copy goes out, and the disk tier still saves
+                warnings.warn(f"memory snapshot of step {timing.step} failed: {failed[0]}", stacklevel=1)
+            else:
+                timing.memory_s = time.perf_counter() - started
+                if self._peers is not None:
+                    self._peers.exchange(outcomes[self._save.rank].unwrap())
+                    timing.peer_s = time.perf_counter() - started
         if "disk" in timing.tiers:
             tm_save(state, path if isinstance(path, Path) else str(path), process_group=self._save.group,
                     overwrite=True, extra=meta, redundancy=self.redundancy, storage_options=self.storage_options)
@@ -269,6 +278,8 @@ class Checkpointer:
                                                           scheduler=scheduler, scaler=scaler, dataloader=dataloader,
                                                           strict=strict)
         self.resumed_from, self.resume_notes = used.tier, used.rejected
+        if self._memory is not None:  # snapshots of later steps belong to the timeline this resume abandons
+            self._memory.forget_after(resumed)
         return resumed
 
     # ---- tiers ----------------------------------------------------------------------------------------
@@ -307,7 +318,7 @@ class Checkpointer:
                 self._memory.release()
             else:
                 self._memory.close()
-        for collective in (self._save, self._control):
+        for collective in (self._save, self._control, *((self._peers.collective,) if self._peers else ())):
             if collective.distributed:
                 dist.destroy_process_group(collective.group)
         self._closed = True
@@ -315,5 +326,7 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, error: type[BaseException] | None, *exc: Any) -> None:
+        if error is not None:  # leaving on an exception: a restart will want the memory snapshots
+            self.release_memory_on_close = False
         self.close()

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
 from ..tmformat.transfer import copy_checkpoint
 from .manager import CheckpointManager
 
@@ -59,7 +58,8 @@ class Drain:
     def wait(self) -> None:
         """Block until everything handed over is copied (or failed)."""
         with self._condition:
-            self._condition.wait_for(lambda: self._pending is None and not self._busy)
+            self._condition.wait_for(lambda: (self._pending is None and not self._busy) or not self._thread.is_alive(),
+                                     timeout=None)
 
     def close(self) -> None:
         self.wait()
@@ -80,7 +80,7 @@ class Drain:
                 copy_checkpoint(folder, str(self.manager.path(step)), self.storage_options)
                 self.manager.retain()
                 self.drained.append(Drained(step, time.perf_counter() - handed))
-            except (CheckpointError, OSError) as exc:  # the disk tier still holds the step; training goes on
+            except Exception as exc:  # the disk tier still holds the step; training goes on, the error is kept
                 self.errors.append(f"step {step}: {exc}")
                 warnings.warn(f"copying the checkpoint of step {step} to {self.manager.root} failed: {exc}",
                               stacklevel=1)

@@ -26,6 +26,7 @@ __all__ = ["FOLDER_PREFIX", "TRAIN_KEY", "CheckpointInfo", "CheckpointManager"]
 
 TRAIN_KEY = "tensormorph.train"
 FOLDER_PREFIX = "step-"
+RUN_ID_FILE = ".tensormorph-run"  # in a local root: the run's id, which names its memory snapshots
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,28 @@ class CheckpointManager:
 
     def path(self, step: int) -> AnyPath:
         return self.root / f"{FOLDER_PREFIX}{step:08d}"
+
+    def run_id(self, *, create: bool = False) -> str:
+        """The id of the run whose checkpoints live under a local root (made once, kept in RUN_ID_FILE), so that
+        a new run in a deleted and re-created folder is not taken for the old one; "" for an object store's."""
+        if not isinstance(self.root, Path):
+            return ""
+        path = self.root / RUN_ID_FILE
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+        if create and not path.exists():
+            try:  # never through a link: the root is the user's folder
+                descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                with os.fdopen(descriptor, "w") as handle:
+                    handle.write(uuid.uuid4().hex)
+            except FileExistsError:
+                pass
+        try:
+            descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return ""
+        with os.fdopen(descriptor) as handle:
+            return handle.read(64).strip()
 
     def prepare(self) -> int:
         """Create the root and remove what crashed saves left behind; the highest commit number so far.

@@ -52,9 +52,9 @@ def node_name() -> str:
     return os.environ.get(NODE_VARIABLE) or socket.gethostname()
 
 
-def run_folder(root: AnyPath, memory_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Where the memory snapshots of the run under `root` live on this machine (every node of it)."""
-    text = str(root)
+def run_folder(root: AnyPath, memory_dir: str | os.PathLike[str] | None = None, run_id: str = "") -> Path:
+    """Where the memory snapshots of the run under `root` (of id `run_id`) live on this machine."""
+    text = str(root) + run_id
     label = re.sub(r"[^A-Za-z0-9_.-]", "_", text.rstrip("/").rsplit("/", 1)[-1])[:40] or "run"
     return Path(memory_dir or DEFAULT_MEMORY_DIR) / f"{label}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
@@ -69,12 +69,12 @@ class MemoryTier:
     """This rank's snapshots: written, listed, loaded back and released."""
 
     def __init__(self, root: AnyPath, rank: int, *, keep: int = 2, memory_dir: str | os.PathLike[str] | None = None,
-                 node: str | None = None) -> None:
+                 node: str | None = None, run_id: str = "") -> None:
         if keep < 1:
             raise ValueError(f"memory_keep must be at least 1, got {keep}")
         self.keep = keep
         self.node = node or node_name()
-        self.folder = run_folder(root, memory_dir) / self.node / f"rank-{rank:05d}"
+        self.folder = run_folder(root, memory_dir, run_id) / self.node / f"rank-{rank:05d}"
         self.folder.mkdir(parents=True, exist_ok=True)
         remove_abandoned(self.folder)  # a snapshot whose writer was killed mid-way
         self._lock: IO[bytes] | None = open(self.folder / LOCK_FILE, "ab")  # noqa: SIM115 (held while alive)
@@ -123,9 +123,10 @@ class MemoryTier:
             shutil.rmtree(old.path, ignore_errors=True)
         return path
 
-    def load(self, snapshot: Path, target: dict[str, Any]) -> dict[str, Any]:
+    def load(self, snapshot: Path, target: dict[str, Any], *, strict: bool = True) -> dict[str, Any]:
         """Fill `target` in place from a snapshot (its DTensors' local shards, checked against their saved
-        layout; every block checksum verified); returns the snapshot's `extra`."""
+        layout; every block checksum verified); returns the snapshot's `extra`. Strict: what the snapshot holds
+        and `target` does not is a mismatch too, as a disk checkpoint's load would say."""
         files = LocalFiles(snapshot)
         manifest = read_manifest(files, str(snapshot))
         layouts = manifest.extra.get(LAYOUT_KEY, {})
@@ -133,6 +134,10 @@ class MemoryTier:
         dtensor = dtensor_types()
         problems = [f"{name}: not in the snapshot" for name in leaves.tensors if name not in manifest.tensors]
         problems += [f"{name}: not in the snapshot" for name in leaves.objects if name not in manifest.objects]
+        if strict:
+            given = {*leaves.tensors, *leaves.objects}
+            problems += [f"{name}: in the snapshot, not in the state given"
+                         for name in (*manifest.tensors, *manifest.objects) if name not in given]
         with BoxReader(manifest, files, str(snapshot)) as reader:
             for name, tensor in leaves.tensors.items():
                 record = manifest.tensors.get(name)
@@ -155,6 +160,15 @@ class MemoryTier:
         for name, (container, key) in leaves.slots.items():
             container[key] = manifest.objects[name]
         return manifest.extra
+
+    def forget_after(self, step: int) -> None:
+        """Drop this rank's snapshots and held copies of steps after `step`: a run resumed at `step` abandoned
+        them, and its own next saves must not rank below them."""
+        for folder in [self.folder, *self.folder.glob("peer-*")]:
+            for child in folder.glob("step-*"):
+                match = _STEP.match(child.name)
+                if match and int(match.group(1)) > step:
+                    shutil.rmtree(child, ignore_errors=True)
 
     def release(self) -> None:
         """Delete every snapshot of this rank (a finished run's memory goes back to the system)."""

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..distributed import load as tm_load
-from ..distributed.collective import Collective, failures
+from ..distributed.collective import Collective
 from ..errors import CheckpointError
 from ..storage import AnyPath, LocalFiles, as_path, store_at
 from ..tmformat.checkpoint import read_manifest
@@ -72,7 +72,7 @@ class Resumer:
     def choose(self, step: int | None) -> Choice | None:
         """What to resume: the newest step, or `step`, on the fastest tier that holds it complete (a memory
         snapshot counts only when every rank has one of that step); None when there is nothing. Collective."""
-        found = self._control.decide(lambda: [(i.step, str(i.path)) for i in self._manager.list()],
+        found = self._control.decide(lambda: [(i.step, str(i.path), i.seq) for i in self._manager.list()],
                                      "cannot list the checkpoints", self._manager.root)
         own = [s.step for s in self._memory.snapshots()] if self._memory is not None else []
         held = self._peers.held() if self._peers is not None else {}
@@ -84,29 +84,27 @@ class Resumer:
         available = [set(steps) | {step for (origin, step) in copies if origin == rank}
                      for rank, steps in enumerate(everyone)]
         complete = set.intersection(*available) if available else set()
-        if step is not None:
-            found = [f for f in found if f[0] == step]
-            complete &= {step}
-            if not found and not complete:
-                raise CheckpointError(f"has no committed checkpoint of step {step}", file=str(self._manager.root))
-        if self._remote is not None:  # the object store's copies count where the disk has no newer step
+        notes: list[str] = []
+        stored: list[tuple[int, str, int]] = []
+        if self._remote is not None:  # an object store that does not answer leaves the faster tiers to resume
             remote = self._remote
-            stored = self._control.decide(lambda: [(i.step, str(i.path)) for i in remote.list()],
-                                          "cannot list the object store's checkpoints", remote.root)
-            if step is not None:
-                stored = [f for f in stored if f[0] == step]
-            if stored and (not found or stored[-1][0] > found[-1][0]):
-                found = [*found, stored[-1]]
-                remote_newest = stored[-1][0]
-            else:
-                remote_newest = None
-        else:
-            remote_newest = None
-        newest_disk = found[-1] if found else None
-        rejected = [f"step {s} is in memory on ranks {[r for r, steps in enumerate(everyone) if s in steps]} only"
-                    for s in sorted({s for steps in everyone for s in steps} - complete, reverse=True)
-                    if s > max(complete, default=-1) and (step is None or s == step)]
-        on_remote = newest_disk is not None and newest_disk[0] == remote_newest
+            try:
+                stored = self._control.decide(lambda: [(i.step, str(i.path), i.seq) for i in remote.list()],
+                                              "cannot list the object store's checkpoints", remote.root)
+            except CheckpointError as exc:
+                notes.append(f"the object store was not listed: {exc.reason}")
+        if step is not None:
+            found, stored = [f for f in found if f[0] == step], [f for f in stored if f[0] == step]
+            complete &= {step}
+            if not found and not stored and not complete:
+                raise CheckpointError(f"has no committed checkpoint of step {step}", file=str(self._manager.root))
+        # the disk and the object store compare by commit order: after a rollback a higher step can be older
+        on_remote = bool(stored) and (not found or stored[-1][2] > found[-1][2])
+        newest_disk = stored[-1] if on_remote else (found[-1] if found else None)
+        rejected = notes + [
+            f"step {s} is in memory on ranks {[r for r, steps in enumerate(everyone) if s in steps]} only"
+            for s in sorted({s for steps in everyone for s in steps} - complete, reverse=True)
+            if s > max(complete, default=-1) and (step is None or s == step)]
         options = self._remote_storage_options if on_remote else self._storage_options
         disk = None if newest_disk is None else Choice(
             "remote" if on_remote else "disk", newest_disk[0], as_path(newest_disk[1], options, cache=False),
@@ -132,21 +130,27 @@ class Resumer:
             if choice.plan:  # ranks without their own snapshot get it back from the ranks holding copies
                 peers, plan = self._peers, choice.plan
                 assert peers is not None
-                packed = self._control.everyone(lambda: peers.pack(plan), label="peer copy: ")
-                unreadable = failures(packed)
+                packed = self._control.run(lambda: peers.pack(plan), label="peer copy: ")  # kept here, not gathered
+                unreadable = [error for error in self._control.gather(packed.error) if error is not None]
                 if unreadable:  # a holder lost its copy: nothing is sent, and the load below falls back
                     delivered = unreadable[0]
                 else:  # every holder has its copy in hand: none is waited for in vain
-                    delivered = self._control.run(lambda: peers.deliver(plan, packed[self._control.rank].unwrap()),
+                    delivered = self._control.run(lambda: peers.deliver(plan, packed.unwrap()),
                                                   label="peer copy: ").error
-            target = self._target(model, given, scheduler, scaler, read_manifest(LocalFiles(snapshot),
-                                                                                 str(snapshot)).objects, dataloader)
             world = self._control.world
+            filled: dict[str, Any] = {}
 
             def load_mine() -> dict[str, Any]:
+                # everything that may fail on one rank happens here, where every rank learns of it and falls back
                 if delivered is not None and any(origin == self._control.rank for _, origin, _ in choice.plan):
                     raise CheckpointError(f"its copy from a peer did not arrive ({delivered})")
-                meta = memory.load(snapshot, target)[TRAIN_KEY]
+                files = LocalFiles(snapshot)
+                try:
+                    objects = read_manifest(files, str(snapshot)).objects
+                finally:
+                    files.close()
+                target = filled["target"] = self._target(model, given, scheduler, scaler, objects, dataloader)
+                meta = memory.load(snapshot, target, strict=strict)[TRAIN_KEY]
                 if meta["world_size"] != world:  # a snapshot holds one rank's share: only its own world resumes
                     raise CheckpointError(f"it was saved on {meta['world_size']} ranks, this run has {world}")
                 return meta
@@ -154,6 +158,7 @@ class Resumer:
             outcomes = self._control.everyone(load_mine, label="memory snapshot: ")
             failed = [o for o in outcomes if not o.ok]
             if not failed:
+                target = filled["target"]
                 if self._peers is not None:  # the buddies hold this step again: a copy never lags behind a resume
                     self._peers.exchange(snapshot)
                 for rank, position in enumerate(self._control.gather(target.get(f"data.rank{self._control.rank}"))):
