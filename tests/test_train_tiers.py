@@ -16,7 +16,7 @@ from torch import nn
 
 import tensormorph as tm
 from tensormorph.cli import main
-from tensormorph.errors import ChecksumError
+from tensormorph.errors import CheckpointError, ChecksumError
 from tensormorph.train import Checkpointer
 from tensormorph.train.memory import run_folder
 
@@ -503,3 +503,12 @@ def test_a_damaged_snapshot_manifest_falls_back_and_a_failing_upload_is_kept(tmp
     assert again.resume(model=model, optimizer=opt) == 2 and again.resumed_from == "disk"
     assert "step 3 in memory" in again.resume_notes[0]
     again.close()
+
+
+def test_a_memory_folder_that_is_a_link_is_refused(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "shm").symlink_to(elsewhere)
+    with pytest.raises(CheckpointError, match="is a link or belongs to another user"):
+        Checkpointer(tmp_path / "run", memory_every=1, memory_dir=tmp_path / "shm")
+    assert list(elsewhere.iterdir()) == []

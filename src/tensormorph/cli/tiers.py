@@ -12,7 +12,7 @@ from rich.markup import escape
 from ..units import human_bytes
 from .output import console, fails_cleanly, print_json
 
-MEMORY_DIR_HELP = "Where memory snapshots live (default /dev/shm/tensormorph, as the Checkpointer's memory_dir)."
+MEMORY_DIR_HELP = "Where memory snapshots live (default /dev/shm/tensormorph-<uid>, as the Checkpointer's memory_dir)."
 
 
 @click.group("tiers")

@@ -7,10 +7,12 @@ a half-copied checkpoint and an earlier copy under the same prefix stays valid u
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..errors import CheckpointError
 from ..storage import LocalFiles
 from .checkpoint import read_manifest
 from .commit import destination
@@ -41,12 +43,16 @@ def copy_checkpoint(source: Path, url: str, storage_options: dict[str, Any] | No
         manifest = read_manifest(files, str(source))
     finally:
         files.close()
+    for name in all_files(manifest):  # only the folder's own files: a manifest naming a path elsewhere is refused
+        if Path(name).name != name or name.startswith("."):
+            raise CheckpointError(f"names the file {name!r}, which is not a file of the checkpoint folder",
+                                  file=str(source / "manifest.json"))
     target = destination(url, overwrite=True, storage_options=storage_options)
     target.join(target.prepare())
     try:
         for name in sorted(all_files(manifest)):
             upload = target.open(target.file_prefix + name)
-            with open(source / name, "rb") as local:
+            with open(os.open(source / name, os.O_RDONLY | os.O_NOFOLLOW), "rb") as local:
                 while piece := local.read(COPY_PIECE):
                     upload.write(piece)
             target.finish_file(upload)

@@ -15,12 +15,14 @@ while a Checkpointer lives tells `tensormorph tiers clean` that the run is alive
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
 import re
 import shutil
 import socket
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -30,7 +32,7 @@ import torch
 
 from .. import dtypes
 from ..distributed.state import dtensor_types, flatten, placement_text
-from ..errors import StateMismatchError
+from ..errors import CheckpointError, StateMismatchError
 from ..storage import AnyPath, LocalFiles
 from ..tmformat.checkpoint import read_manifest
 from ..tmformat.commit import remove_abandoned
@@ -41,7 +43,7 @@ from ..torch_arrays import as_numpy, cpu_contiguous, to_torch, vocabulary
 
 __all__ = ["DEFAULT_MEMORY_DIR", "MemoryTier", "RankSnapshots", "node_name", "run_folder", "survey"]
 
-DEFAULT_MEMORY_DIR = "/dev/shm/tensormorph"
+DEFAULT_MEMORY_DIR = f"/dev/shm/tensormorph-{os.getuid()}"  # one per user: others can neither read nor plant
 NODE_VARIABLE = "TENSORMORPH_NODE"  # names this process's node (tests simulate several nodes on one machine)
 LAYOUT_KEY = "tensormorph.layout"  # in a snapshot's manifest: each DTensor's global shape, mesh and placements
 LOCK_FILE = ".alive"
@@ -75,9 +77,10 @@ class MemoryTier:
         self.keep = keep
         self.node = node or node_name()
         self.folder = run_folder(root, memory_dir, run_id) / self.node / f"rank-{rank:05d}"
-        self.folder.mkdir(parents=True, exist_ok=True)
+        _private_folder(self.folder)
         remove_abandoned(self.folder)  # a snapshot whose writer was killed mid-way
-        self._lock: IO[bytes] | None = open(self.folder / LOCK_FILE, "ab")  # noqa: SIM115 (held while alive)
+        descriptor = os.open(self.folder / LOCK_FILE, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        self._lock: IO[bytes] | None = os.fdopen(descriptor, "ab")  # held while the run is alive
         fcntl.flock(self._lock.fileno(), fcntl.LOCK_SH)
 
     def snapshots(self) -> list[Snapshot]:
@@ -184,6 +187,20 @@ class MemoryTier:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+
+
+def _private_folder(folder: Path) -> None:
+    """Make `folder` (and its parents under the memory folder) for this user alone; refuse one that is a link or
+    belongs to someone else, who could otherwise read the snapshots or plant one."""
+    levels = [*reversed([folder, *folder.parents][:4])]  # the memory folder itself, then run, node and rank
+    levels[0].parent.mkdir(parents=True, exist_ok=True)
+    for level in levels:  # each checked before anything is made inside it: never through a link
+        with contextlib.suppress(FileExistsError):
+            level.mkdir(mode=0o700)
+        info = level.lstat()
+        if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid():
+            raise CheckpointError(f"the memory folder {level} is a link or belongs to another user: snapshots are "
+                                  "kept only in a folder of this user's own")
 
 
 def _layout(tensor: Any) -> dict[str, Any]:
