@@ -256,6 +256,7 @@ def test_memory_and_disk_lost_the_run_resumes_from_the_object_store(tmp_path, s3
         assert timing.tiers == tuple(t for t, every in (("memory", 1), ("disk", 2), ("remote", 4)) if step % every == 0)
     ckpt.wait()
     assert ckpt.remote_errors == ()
+    assert ckpt.remote_copies[-1].step == 12 and all(c.seconds > 0 for c in ckpt.remote_copies)
     stored = [i.step for i in CheckpointManager(url, None, s3.storage_options).list()]
     # the drain copies the newest step handed over: one waiting behind a copy in progress may be replaced
     assert stored[-1] == 12 and len(stored) == 2 and set(stored) <= {4, 8, 12}  # remote_keep=2

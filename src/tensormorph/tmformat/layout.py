@@ -215,16 +215,6 @@ def partial_mesh_dims(placements: Sequence[str]) -> tuple[int, ...]:
     return tuple(i for i, p in enumerate(placements) if parse_spec(p).kind == "partial")
 
 
-def rank_pieces(shape: Sequence[int], mesh_shape: Sequence[int],
-                placements: Sequence[str]) -> list[list[tuple[Box, tuple[int, ...]]]]:
-    """Every rank's pieces, for a mesh whose ranks are numbered in row-major order of their coordinates."""
-    if len(mesh_shape) != len(placements):
-        raise CheckpointError(f"a mesh of {len(mesh_shape)} dimensions needs as many placements, "
-                              f"got {list(placements)}")
-    return [local_pieces(shape, mesh_shape, placements, coordinate)
-            for coordinate in itertools.product(*(range(n) for n in mesh_shape))]
-
-
 def assign_writers(holders: Mapping[BoxKey, tuple[int, Iterable[int]]]) -> dict[BoxKey, int]:
     """Choose one writer for each stored box among the ranks that hold it, balancing bytes.
 

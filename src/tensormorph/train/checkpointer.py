@@ -36,7 +36,7 @@ from ..distributed.collective import Collective, failures
 from ..errors import CheckpointError
 from ..storage import AnyPath
 from ..tmformat.manifest import encode_value
-from .drain import Drain
+from .drain import Drain, Drained
 from .manager import TRAIN_KEY, CheckpointInfo, CheckpointManager
 from .memory import MemoryTier
 from .peers import PeerTier
@@ -199,6 +199,11 @@ class Checkpointer:
         self._staging.wait()
         if self._drain is not None:
             self._drain.wait()
+
+    @property
+    def remote_copies(self) -> tuple[Drained, ...]:
+        """The copies to the object store that committed: each step, and seconds from its hand-over (rank 0)."""
+        return tuple(self._drain.drained) if self._drain is not None else ()
 
     @property
     def remote_errors(self) -> tuple[str, ...]:
