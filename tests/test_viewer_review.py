@@ -57,3 +57,30 @@ def test_approximate_tiles_of_intact_rows_survive_damage_elsewhere(tmp_path):
             assert header["approximate"] and not header["nonfinite_complete"]
         broken = api(client, "/api/checkpoints/a/tile", name="w", r0=200, r1=300, c0=0, c1=64, h=100, w=64, exact=1)
         assert broken.status_code == 400 and "CRC-32C" in broken.text  # the damaged rows still say so
+
+
+def test_the_integrity_panel_does_not_decode_large_objects(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tensormorph.ops.integrity import MAX_OBJECT_BYTES, objects
+
+    dcp.save({"w": torch.ones(2), "blob": "x" * (2 * MAX_OBJECT_BYTES), "step": 7}, checkpoint_id=str(tmp_path / "ck"))
+    listed = {o["name"]: o for o in objects(tm.open(tmp_path / "ck"))}
+    assert listed["step"]["value"] == 7
+    assert listed["blob"]["value"] is None and "not decoded" in listed["blob"]["preview"]
+
+
+def test_verify_reports_each_intact_file_as_soon_as_it_is_checked(tmp_path, monkeypatch):
+    from tensormorph.tmformat import checkpoint as tm_checkpoint
+
+    values = np.arange(4 * 64, dtype=np.float32).reshape(4, 64)
+    safetensors.numpy.save_file({"w": values}, str(tmp_path / "src.safetensors"))
+    tm.convert(tmp_path / "src.safetensors", tmp_path / "ck", to="tensormorph", mesh="4", placements=["Shard(0)"])
+    checked = []
+    real = tm_checkpoint.file_problem
+    monkeypatch.setattr(tm_checkpoint, "file_problem", lambda *a: checked.append(a[1]) or real(*a))
+    problems = tm_checkpoint.checksum_problems(tm.open(tmp_path / "ck"))
+    first = next(problems)
+    assert first == ("rank-00000.safetensors", None) and checked == ["rank-00000.safetensors"]
+    assert [name for name, problem in problems] == [f"rank-{r:05d}.safetensors" for r in range(1, 4)]

@@ -21,6 +21,7 @@ from ..tmformat.manifest import FORMAT, MANIFEST, FileRecord, Manifest
 from ..tmformat.parity import parse_scheme, replica_file
 
 MAX_OBJECTS = 1000  # objects listed with their values; a checkpoint with more lists the first ones
+MAX_OBJECT_BYTES = 1 << 20  # an object stored in more bytes than this is listed by its size, not decoded
 MAX_PREVIEW = 200  # characters of an object's one-line preview
 MAX_ITEMS = 100  # items of a list or dict value kept; the rest is cut ("...")
 MAX_DEPTH = 4  # nesting of a value kept; deeper values are shown by their preview only
@@ -89,6 +90,10 @@ def objects(ck: Checkpoint) -> list[dict[str, Any]]:
     """The first MAX_OBJECTS objects: name, type, value as JSON (null when not plain data) and a preview."""
     out = []
     for entry in list(ck.objects.values())[:MAX_OBJECTS]:
+        if entry.nbytes is not None and entry.nbytes > MAX_OBJECT_BYTES:  # not decoded: the panel stays cheap
+            out.append({"name": entry.name, "type": None, "value": None,
+                        "preview": f"{entry.nbytes:,} bytes, not decoded here (tensormorph show)"})
+            continue
         try:
             value = entry.value()
         except UnsafePickleError:

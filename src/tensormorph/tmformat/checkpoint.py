@@ -153,19 +153,27 @@ class CheckedArray(MappedArray):
 
 
 def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointError | None]]:
-    """Check every data, parity and copy file against the manifest, saying whether damage is recoverable."""
+    """Check every data, parity and copy file against the manifest, saying whether damage is recoverable.
+
+    Each intact file is reported as soon as it is checked (so a caller shows progress and can stop between files);
+    the damaged ones come last, once every file is known, since whether one can be rebuilt depends on the others.
+    """
     files = checkpoint.require_storage()
     manifest = read_manifest(files, str(checkpoint.path))
     held: dict[str, set[str]] = {}
     for name, record in manifest.tensors.items():
         for chunk in record.chunks:
             held.setdefault(chunk.file, set()).add(name)
-    problems = {name: file_problem(files, name, record) for name, record in sorted(all_files(manifest).items())}
-    intact = {name for name, problem in problems.items() if problem is None}
-    for name, problem in problems.items():
+    every = sorted(all_files(manifest).items())
+    damaged: dict[str, CheckpointError] = {}
+    for name, file_record in every:
+        problem = file_problem(files, name, file_record)
         if problem is None:
             yield name, None
-            continue
+        else:
+            damaged[name] = problem
+    intact = {name for name, _ in every if name not in damaged}
+    for name, problem in damaged.items():
         tensors = sorted(held.get(name, ()))
         holds = f"; it holds {len(tensors)} chunk(s): {', '.join(tensors[:5])}{' ...' if len(tensors) > 5 else ''}" \
             if tensors else ""
