@@ -101,16 +101,21 @@ def test_a_damaged_snapshot_falls_back_to_disk_and_says_why(tmp_path):
         if step == 2:
             at_disk = {n: p.detach().clone() for n, p in model.named_parameters()}
     ckpt.close()
-    snapshot = next((tmp_path / "shm").rglob("step-00000003/rank-00000.safetensors"))
-    _flip_byte(snapshot)
+    _flip_byte(next((tmp_path / "shm").rglob("step-00000003/rank-00000.safetensors")))
     fresh, fresh_opt = _training(seed=1)
-    again = Checkpointer(tmp_path / "run", memory_every=1, disk_every=2, memory_dir=tmp_path / "shm")
+    again = Checkpointer(tmp_path / "run", memory_every=1, disk_every=2, memory_dir=tmp_path / "shm",
+                         release_memory_on_close=False)
     assert again.resume(model=fresh, optimizer=fresh_opt) == 2
-    assert again.resumed_from == "disk"
+    assert again.resumed_from == "memory"  # the older whole snapshot, before the disk
     assert len(again.resume_notes) == 1 and "step 3 in memory: rank 0" in again.resume_notes[0]
     assert ChecksumError.__name__ in again.resume_notes[0] and "CRC-32C" in again.resume_notes[0]
     assert all(torch.equal(p, at_disk[n]) for n, p in fresh.named_parameters())
     again.close()
+    _flip_byte(next((tmp_path / "shm").rglob("step-00000002/rank-00000.safetensors")))
+    last = Checkpointer(tmp_path / "run", memory_every=1, disk_every=2, memory_dir=tmp_path / "shm")
+    assert last.resume(model=fresh, optimizer=fresh_opt) == 2 and last.resumed_from == "disk"
+    assert [n.split(":")[0] for n in last.resume_notes] == ["step 2 in memory"]
+    last.close()
 
 
 def test_a_snapshot_of_another_layout_falls_back_to_disk(tmp_path):
@@ -501,8 +506,8 @@ def test_a_damaged_snapshot_manifest_falls_back_and_a_failing_upload_is_kept(tmp
     manifest = next((tmp_path / "shm").rglob("step-00000003/manifest.json"))
     _flip_byte(manifest, 40)
     again = Checkpointer(tmp_path / "run", memory_every=1, disk_every=2, memory_dir=tmp_path / "shm")
-    assert again.resume(model=model, optimizer=opt) == 2 and again.resumed_from == "disk"
-    assert "step 3 in memory" in again.resume_notes[0]
+    assert again.resume(model=model, optimizer=opt) == 2 and again.resumed_from == "memory"  # the older snapshot
+    assert "step 3 in memory" in again.resume_notes[0] and "manifest" in again.resume_notes[0]
     again.close()
 
 

@@ -188,7 +188,7 @@ class Checkpointer:
             self._write(state, path, meta, timing, started)
         timing.blocked_s += time.perf_counter() - started
         if self._preemption.stopping:
-            self.wait()
+            self._staging.wait()  # the save is on disk; an upload in flight must not outlast the grace period
             self._control.barrier()
             raise SystemExit(0)
         return timing

@@ -109,67 +109,29 @@ class Resumer:
         disk = None if newest_disk is None else Choice(
             "remote" if on_remote else "disk", newest_disk[0], as_path(newest_disk[1], options, cache=False),
             rejected, options=options)
-        if complete and (newest_disk is None or max(complete) >= newest_disk[0]):
-            newest = max(complete)
+        # every whole memory step at least as new as the disk's, newest first, each falling back to the next
+        choice = disk
+        for candidate in sorted(s for s in complete if newest_disk is None or s >= newest_disk[0]):
             assert self._memory is not None
-            plan = [(copies[(rank, newest)], rank, newest) for rank, steps in enumerate(everyone)
-                    if newest not in steps]
-            return Choice("peer" if plan else "memory", newest, self._memory.folder / f"step-{newest:08d}", rejected,
-                          fallback=disk, plan=plan)
-        return disk
+            plan = [(copies[(rank, candidate)], rank, candidate) for rank, steps in enumerate(everyone)
+                    if candidate not in steps]
+            choice = Choice("peer" if plan else "memory", candidate, self._memory.folder / f"step-{candidate:08d}",
+                            rejected, fallback=choice, plan=plan)
+        return choice
 
     def restore(self, choice: Choice, *, model: Any, optimizer: Any, scheduler: Any, scaler: Any, dataloader: Any,
                 strict: bool) -> tuple[Choice, int, Any]:
         """Load what `choice` names into what is given (collective): a memory snapshot, or when any rank cannot
         (damaged, another layout), the disk checkpoint; what was used, its step and its `extra`."""
         given = optimizers(optimizer)
-        if choice.tier in ("memory", "peer"):
-            assert self._memory is not None and isinstance(choice.path, Path)
-            snapshot, memory = choice.path, self._memory
-            delivered: str | None = None  # why a copy from a peer did not arrive
-            if choice.plan:  # ranks without their own snapshot get it back from the ranks holding copies
-                peers, plan = self._peers, choice.plan
-                assert peers is not None
-                packed = self._control.run(lambda: peers.pack(plan), label="peer copy: ")  # kept here, not gathered
-                unreadable = [error for error in self._control.gather(packed.error) if error is not None]
-                if unreadable:  # a holder lost its copy: nothing is sent, and the load below falls back
-                    delivered = unreadable[0]
-                else:  # every holder has its copy in hand: none is waited for in vain
-                    delivered = self._control.run(lambda: peers.deliver(plan, packed.unwrap()),
-                                                  label="peer copy: ").error
-            world = self._control.world
-            filled: dict[str, Any] = {}
-
-            def load_mine() -> dict[str, Any]:
-                # everything that may fail on one rank happens here, where every rank learns of it and falls back
-                if delivered is not None and any(origin == self._control.rank for _, origin, _ in choice.plan):
-                    raise CheckpointError(f"its copy from a peer did not arrive ({delivered})")
-                files = LocalFiles(snapshot)
-                try:
-                    objects = read_manifest(files, str(snapshot)).objects
-                finally:
-                    files.close()
-                target = filled["target"] = self._target(model, given, scheduler, scaler, objects, dataloader)
-                meta = memory.load(snapshot, target, strict=strict)[TRAIN_KEY]
-                if meta["world_size"] != world:  # a snapshot holds one rank's share: only its own world resumes
-                    raise CheckpointError(f"it was saved on {meta['world_size']} ranks, this run has {world}")
-                return meta
-
-            outcomes = self._control.everyone(load_mine, label="memory snapshot: ")
-            failed = [o for o in outcomes if not o.ok]
-            if not failed:
-                target = filled["target"]
-                if self._peers is not None:  # the buddies hold this step again: a copy never lags behind a resume
-                    self._peers.exchange(snapshot)
-                for rank, position in enumerate(self._control.gather(target.get(f"data.rank{self._control.rank}"))):
-                    target[f"data.rank{rank}"] = position  # every rank's, as a disk checkpoint holds them
-                step, extra = self._apply(choice.path, outcomes[self._control.rank].unwrap(), target, model, given,
-                                          scheduler, scaler, dataloader)
-                return choice, step, extra
-            reason = f"rank {failed[0].rank}: {failed[0].error}"
+        while choice.tier in ("memory", "peer"):  # the newest whole memory step, then older ones, then the disk
+            restored = self._from_memory(choice, given, model, scheduler, scaler, dataloader, strict)
+            if not isinstance(restored, str):
+                return choice, *restored
+            reason = restored
             if choice.fallback is None:
-                raise CheckpointError(f"cannot resume step {choice.step} from memory ({reason}), and no disk "
-                                      "checkpoint exists", file=str(self._manager.root))
+                raise CheckpointError(f"cannot resume step {choice.step} from memory ({reason}), and no older "
+                                      "snapshot or disk checkpoint exists", file=str(self._manager.root))
             choice = replace(choice.fallback, rejected=[*choice.rejected,
                                                         f"step {choice.step} in memory: {reason}"])
         path = choice.path
@@ -178,6 +140,53 @@ class Resumer:
         tm_load(path if isinstance(path, Path) else str(path), target, strict=strict, storage_options=choice.options)
         step, extra = self._apply(path, manifest.extra[TRAIN_KEY], target, model, given, scheduler, scaler, dataloader)
         return choice, step, extra
+
+    def _from_memory(self, choice: Choice, given: tuple[Any, ...], model: Any, scheduler: Any, scaler: Any,
+                     dataloader: Any, strict: bool) -> tuple[int, Any] | str:
+        """Load the memory snapshot `choice` names on every rank (its peer copies given back first): its step and
+        `extra`, or why some rank could not."""
+        assert self._memory is not None and isinstance(choice.path, Path)
+        snapshot, memory = choice.path, self._memory
+        delivered: str | None = None  # why a copy from a peer did not arrive
+        if choice.plan:  # ranks without their own snapshot get it back from the ranks holding copies
+            peers, plan = self._peers, choice.plan
+            assert peers is not None
+            packed = self._control.run(lambda: peers.pack(plan), label="peer copy: ")  # kept here, not gathered
+            unreadable = [error for error in self._control.gather(packed.error) if error is not None]
+            if unreadable:  # a holder lost its copy: nothing is sent, and the load below falls back
+                delivered = unreadable[0]
+            else:  # every holder has its copy in hand: none is waited for in vain
+                delivered = self._control.run(lambda: peers.deliver(plan, packed.unwrap()),
+                                              label="peer copy: ").error
+        world = self._control.world
+        filled: dict[str, Any] = {}
+
+        def load_mine() -> dict[str, Any]:
+            # everything that may fail on one rank happens here, where every rank learns of it and falls back
+            if delivered is not None and any(origin == self._control.rank for _, origin, _ in choice.plan):
+                raise CheckpointError(f"its copy from a peer did not arrive ({delivered})")
+            files = LocalFiles(snapshot)
+            try:
+                objects = read_manifest(files, str(snapshot)).objects
+            finally:
+                files.close()
+            target = filled["target"] = self._target(model, given, scheduler, scaler, objects, dataloader)
+            meta = memory.load(snapshot, target, strict=strict)[TRAIN_KEY]
+            if meta["world_size"] != world:  # a snapshot holds one rank's share: only its own world resumes
+                raise CheckpointError(f"it was saved on {meta['world_size']} ranks, this run has {world}")
+            return meta
+
+        outcomes = self._control.everyone(load_mine, label="memory snapshot: ")
+        failed = [o for o in outcomes if not o.ok]
+        if not failed:
+            target = filled["target"]
+            if self._peers is not None:  # the buddies hold this step again: a copy never lags behind a resume
+                self._peers.exchange(snapshot)
+            for rank, position in enumerate(self._control.gather(target.get(f"data.rank{self._control.rank}"))):
+                target[f"data.rank{rank}"] = position  # every rank's, as a disk checkpoint holds them
+            return self._apply(choice.path, outcomes[self._control.rank].unwrap(), target, model, given, scheduler,
+                               scaler, dataloader)
+        return f"rank {failed[0].rank}: {failed[0].error}"
 
     @staticmethod
     def _target(model: Any, given: tuple[Any, ...], scheduler: Any, scaler: Any, objects: Any,
