@@ -518,3 +518,16 @@ def test_a_memory_folder_that_is_a_link_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="is a link or belongs to another user"):
         Checkpointer(tmp_path / "run", memory_every=1, memory_dir=tmp_path / "shm")
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_run_id_planted_as_a_link_is_not_followed(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".tensormorph-run").symlink_to(outside)
+    (tmp_path / "dangling").mkdir()
+    (tmp_path / "dangling" / ".tensormorph-run").symlink_to(tmp_path / "nowhere")
+    for root in ("run", "dangling"):
+        with pytest.raises(CheckpointError, match="link"):
+            Checkpointer(tmp_path / root, memory_every=1, memory_dir=tmp_path / "shm")
+    assert outside.read_text() == "keep me" and not (tmp_path / "nowhere").exists()

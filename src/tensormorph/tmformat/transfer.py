@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from ..storage import LocalFiles
+from ..storage import LocalFiles, open_regular
 from .checkpoint import read_manifest
 from .commit import destination
 from .manifest import Manifest
@@ -52,7 +52,7 @@ def copy_checkpoint(source: Path, url: str, storage_options: dict[str, Any] | No
     try:
         for name in sorted(all_files(manifest)):
             upload = target.open(target.file_prefix + name)
-            with open(os.open(source / name, os.O_RDONLY | os.O_NOFOLLOW), "rb") as local:
+            with os.fdopen(open_regular(source / name, follow=False), "rb") as local:
                 while piece := local.read(COPY_PIECE):
                     upload.write(piece)
             target.finish_file(upload)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, MissingFileError
-from ..storage import AnyPath, RemotePath, as_path, entries, store_at
+from ..storage import AnyPath, RemotePath, as_path, create_new, entries, open_regular, store_at
 from ..tmformat.checkpoint import read_manifest
 from ..tmformat.commit import remove_abandoned
 from ..tmformat.manifest import MANIFEST, TEMP_PREFIX
@@ -75,17 +75,16 @@ class CheckpointManager:
             self.root.mkdir(parents=True, exist_ok=True)
         if create and not path.exists():
             try:  # never through a link: the root is the user's folder
-                descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-                with os.fdopen(descriptor, "w") as handle:
-                    handle.write(uuid.uuid4().hex)
+                with create_new(path) as handle:
+                    handle.write(uuid.uuid4().hex.encode())
             except FileExistsError:
                 pass
         try:
-            descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
+            descriptor = open_regular(path, follow=False)
+        except MissingFileError:
             return ""
-        with os.fdopen(descriptor) as handle:
-            return handle.read(64).strip()
+        with os.fdopen(descriptor, "rb") as handle:
+            return handle.read(64).decode(errors="replace").strip()
 
     def prepare(self) -> int:
         """Create the root and remove what crashed saves left behind; the highest commit number so far.

@@ -85,16 +85,11 @@ class MemoryTier:
 
     def snapshots(self) -> list[Snapshot]:
         """This rank's committed snapshots, oldest first."""
-        found = []
-        for child in self.folder.iterdir():
-            match = _STEP.match(child.name)
-            if match and (child / MANIFEST).is_file():
-                found.append(Snapshot(int(match.group(1)), child))
-        return sorted(found, key=lambda s: s.step)
+        return committed(self.folder)
 
     def nbytes(self) -> int:
         """Shared memory this rank's snapshots take."""
-        return sum(f.stat().st_size for s in self.snapshots() for f in s.path.iterdir() if f.is_file())
+        return sum(_bytes_of(s.path) for s in self.snapshots())
 
     def save(self, step: int, state: dict[str, Any], extra: dict[str, Any]) -> Path:
         """Write this rank's part of `state` (DTensors as their local shards) as the snapshot of `step`, then
@@ -241,20 +236,30 @@ def survey(folder: Path) -> list[RankSnapshots]:
     """Every rank's snapshots under a run's memory folder (`run_folder`), by node and rank."""
     found = []
     for rank_folder in sorted(folder.glob("*/rank-*")):
-        steps, nbytes = [], 0
-        for child in rank_folder.iterdir():
-            match = _STEP.match(child.name)
-            if match and (child / MANIFEST).is_file():
-                steps.append(int(match.group(1)))
-                nbytes += sum(f.stat().st_size for f in child.iterdir() if f.is_file())
-        found.append(RankSnapshots(rank_folder.parent.name, int(rank_folder.name[5:]), tuple(sorted(steps)), nbytes,
+        snapshots = committed(rank_folder)
+        found.append(RankSnapshots(rank_folder.parent.name, int(rank_folder.name[5:]),
+                                   tuple(s.step for s in snapshots), sum(_bytes_of(s.path) for s in snapshots),
                                    _locked(rank_folder / LOCK_FILE)))
     return found
 
 
+def committed(folder: Path) -> list[Snapshot]:
+    """The committed snapshots (a `step-N` folder holding its manifest) in `folder`, oldest first."""
+    found = []
+    for child in folder.iterdir():
+        match = _STEP.match(child.name)
+        if match and (child / MANIFEST).is_file():
+            found.append(Snapshot(int(match.group(1)), child))
+    return sorted(found, key=lambda s: s.step)
+
+
+def _bytes_of(snapshot: Path) -> int:
+    return sum(f.stat().st_size for f in snapshot.iterdir() if f.is_file())
+
+
 def _locked(lock: Path) -> bool:
     try:
-        with open(lock, "rb") as handle:
+        with os.fdopen(os.open(lock, os.O_RDONLY | os.O_NOFOLLOW), "rb") as handle:
             try:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -26,13 +26,12 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.collective import Collective
-from ..tmformat.manifest import MANIFEST
-from .memory import MemoryTier
+from ..storage import create_new
+from .memory import MemoryTier, committed
 
 __all__ = ["PeerTier", "buddies"]
 
 _HELD = re.compile(r"^peer-(\d{5})$")
-_STEP = re.compile(r"^step-(\d{8,})$")
 
 
 def buddies(nodes: list[str]) -> list[int | None]:
@@ -85,9 +84,7 @@ class PeerTier:
         for folder in self.memory.folder.iterdir():
             match = _HELD.match(folder.name)
             if match and folder.is_dir():
-                steps = [int(m.group(1)) for c in folder.iterdir() if (m := _STEP.match(c.name))
-                         and (c / MANIFEST).is_file()]
-                out[int(match.group(1))] = sorted(steps)
+                out[int(match.group(1))] = [s.step for s in committed(folder)]
         return out
 
     def pack(self, plan: list[tuple[int, int, int]]) -> dict[int, bytes]:
@@ -145,7 +142,7 @@ def _unpack(payload: bytes, destination: Path) -> None:
     for name, length in table:
         if "/" in name or name.startswith("."):  # only a snapshot's own file names, from our own ranks
             raise ValueError(f"unexpected file name {name!r} in a peer snapshot")
-        with open(temporary / name, "xb") as handle:
+        with create_new(temporary / name) as handle:
             handle.write(payload[position:position + length])
             os.fsync(handle.fileno())
         position += length
