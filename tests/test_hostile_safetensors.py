@@ -150,8 +150,10 @@ it), a dtype numpy
         if not isinstance(entry, Pairs):
             return True
         fields = dict(entry)
-        if (fields["dtype"] not in NUMPY_DTYPES or len(fields["shape"]) > 64
-                or any(d >= 2**62 for d in fields["shape"])):
+        dtype, shape = fields.get("dtype"), fields.get("shape")
+        if not isinstance(dtype, str) or not isinstance(shape, list):
+            continue  # a field missing or mistyped: the reference refuses it too
+        if dtype not in NUMPY_DTYPES or len(shape) > 64 or any(isinstance(d, int) and d >= 2**62 for d in shape):
             return True
     return False
 
