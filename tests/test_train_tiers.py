@@ -156,8 +156,9 @@ def test_tiers_list_and_clean_a_dead_run(tmp_path):
     listed = CliRunner().invoke(main, ["list", str(tmp_path / "run"), "--memory-dir", memory, "--json"])
     assert listed.exit_code == 0, listed.output
     report = json.loads(listed.output)
-    assert [(r["step"], r["disk"], r["memory"]["ranks"]) for r in report["steps"]] == [
-        (2, True, [0]), (3, False, [0])]
+    assert [(r["step"], r["tiers"], r["disk"] is not None, r["memory"]["ranks"]) for r in report["steps"]] == [
+        (2, ["memory", "disk"], True, [0]), (3, ["memory"], False, [0])]
+    assert report["steps"][0]["disk"]["bytes"] == ckpt.list()[0].size and report["world_size"] == 1
     assert report["ranks"][0]["alive"] and report["ranks"][0]["bytes"] == ckpt.memory_bytes > 0
     refused = CliRunner().invoke(main, ["tiers", "clean", str(tmp_path / "run"), "--memory-dir", memory])
     assert refused.exit_code != 0 and "alive" in refused.output
@@ -167,7 +168,9 @@ def test_tiers_list_and_clean_a_dead_run(tmp_path):
     assert json.loads(cleaned.output)["released_bytes"] == report["ranks"][0]["bytes"]
     assert not _memory_folder(ckpt.root, memory).exists()
     human = CliRunner().invoke(main, ["list", str(tmp_path / "run"), "--memory-dir", memory])
-    assert human.exit_code == 0 and "step        2  memory -" in human.output
+    assert human.exit_code == 0, human.output
+    rows = [line.split()[:3] for line in human.output.splitlines()]
+    assert rows[rows.index(["step", "resumes", "from"]) + 1:] == [["2", "disk", "-"]]  # step 3 was in memory only
 
 
 def test_two_ranks_killed_resume_from_shared_memory_bitwise_identical(zygote, tmp_path):
@@ -229,6 +232,11 @@ def test_a_lost_node_is_restored_from_its_buddies_memory_bitwise_identical(zygot
                     (("a", 0, 2), ("a", 1, 3), ("b", 2, 0), ("b", 3, 1)) for s in (4, 5, 6)]  # 3 kept with peers
     shutil.rmtree(memory / "b")  # the node is lost, with its memory
     assert not list((tmp_path / "run").glob("step-*"))  # and there is no disk checkpoint to fall back on
+    listed = CliRunner().invoke(main, ["list", str(tmp_path / "run"), "--json"])
+    assert listed.exit_code == 0, listed.output
+    report = json.loads(listed.output)
+    assert report["world_size"] == 4 and [(s["step"], s["tiers"], s["memory"]) for s in report["steps"]] == [
+        (s, ["peer"], {"ranks": [0, 1], "copies": [2, 3], "complete": True}) for s in (4, 5, 6)]
     second = Run(zygote, tmp_path, "b", 4, [*root, *argv])
     second.finish()
     assert second.resumed() == 6 and second.line("RESUMED-FROM ") == "RESUMED-FROM peer []"
@@ -267,6 +275,15 @@ def test_memory_and_disk_lost_the_run_resumes_from_the_object_store(tmp_path, s3
     assert stored[-1] == 12 and len(stored) == 2 and set(stored) <= {4, 8, 12}  # remote_keep=2
     local = [i.step for i in ckpt.list()]  # keep=2, but retention leaves a step the drain was copying
     assert local[-2:] == [10, 12] and set(local[:-2]) <= {4, 8}
+    listed = CliRunner().invoke(main, ["--storage-option", f"key={s3.key}", "--storage-option", f"secret={s3.secret}",
+                                       "--storage-option", f"client_kwargs.endpoint_url={s3.endpoint}",
+                                       "list", str(tmp_path / "run"), "--memory-dir", str(tmp_path / "shm"),
+                                       "--remote", url, "--json"])
+    assert listed.exit_code == 0, listed.output
+    report = {r["step"]: r for r in json.loads(listed.output)["steps"]}
+    assert sorted(report) == sorted({*range(11, 13), *local, *stored})  # memory_keep=2: steps 11 and 12
+    assert report[12]["tiers"] == ["memory", "disk", "remote"] and report[11]["tiers"] == ["memory"]
+    assert [s for s, r in report.items() if r["remote"]] == stored
     ckpt.close()
     shutil.rmtree(tmp_path / "shm")  # every tier on the machine is lost
     shutil.rmtree(tmp_path / "run")

@@ -39,6 +39,7 @@ from ..tmformat.manifest import encode_value
 from .drain import Drain, Drained
 from .manager import TRAIN_KEY, CheckpointInfo, CheckpointManager
 from .memory import MemoryTier
+from .optim_shell import OPTIMIZERS_KEY, optimizer_classes
 from .peers import PeerTier
 from .preemption import Preemption
 from .resume import Resumer
@@ -180,10 +181,11 @@ class Checkpointer:
         # what a checkpoint cannot hold is refused here, naming the entry, before anything is written
         walk(state, lambda name, tensor: tensor, lambda name, value: encode_value(value, name))
         self.timings.append(timing)
-        if self.async_save:
-            staged, deferred = self._staging.stage(state, model, optimizers(optimizer))
-            self._staging.start(partial(self._write_in_background, staged, deferred, path, meta, timing, started),
-                                timing, name=f"tensormorph-save-{step}")
+        if self.async_save:  # a step saved to host memory alone is written straight from training's tensors
+            staged, deferred, borrowed = self._staging.stage(state, model, optimizers(optimizer),
+                                                             borrow=tiers == ("memory",))
+            self._staging.start(partial(self._write_in_background, staged, deferred, borrowed, path, meta, timing,
+                                        started), timing, name=f"tensormorph-save-{step}")
         else:
             self._write(state, path, meta, timing, started)
         timing.blocked_s += time.perf_counter() - started
@@ -226,16 +228,20 @@ class Checkpointer:
             components.append("data")
         meta = {TRAIN_KEY: {"step": step, "time": time.time(), "seq": self._seq + 1, "world_size": self._control.world,
                             "mesh": find_mesh(state["model"]) if "model" in state else None,
-                            "components": components, "seed": torch.initial_seed()}}
+                            "components": components, "seed": torch.initial_seed(),
+                            OPTIMIZERS_KEY: optimizer_classes(optimizers(optimizer))}}
         self._seq += 1
         return state, meta
 
     def _write(self, state: dict[str, Any], path: AnyPath, meta: dict[str, Any], timing: SaveTiming,
-               started: float) -> None:
-        """Each tier due: this rank's memory snapshot first (no collective), then the disk checkpoint."""
+               started: float, borrowed: dict[str, int] | None = None) -> None:
+        """Each tier due: this rank's memory snapshot first (no collective), then the disk checkpoint.
+        `borrowed`: training's own tensors in `state` (async, memory only), free again once the snapshot is."""
         if "memory" in timing.tiers and self._memory is not None:
             memory = self._memory
-            outcomes = self._save.everyone(lambda: memory.save(timing.step, state, meta), label="memory snapshot: ")
+            outcomes = self._save.everyone(lambda: memory.save(timing.step, state, meta, borrowed),
+                                           label="memory snapshot: ")
+            self._staging.release()
             failed = failures(outcomes)
             if failed:  # every rank sees it alike: no copy goes out, and the disk tier still saves
                 warnings.warn(f"memory snapshot of step {timing.step} failed: {failed[0]}", stacklevel=1)
@@ -253,11 +259,15 @@ class Checkpointer:
                 self._manager.retain(protect=self._drain.in_use() if self._drain is not None else ())
         timing.durable_s = time.perf_counter() - started
 
-    def _write_in_background(self, state: dict[str, Any], deferred: Sequence[DeferredCopy], path: AnyPath,
-                             meta: dict[str, Any], timing: SaveTiming, started: float) -> None:
+    def _write_in_background(self, state: dict[str, Any], deferred: Sequence[DeferredCopy],
+                             borrowed: dict[str, int], path: AnyPath, meta: dict[str, Any], timing: SaveTiming,
+                             started: float) -> None:
         """The background thread's work: the deferred copies, agreed on by every rank, then the write."""
-        self._staging.finish_copies(deferred, path, self._save)
-        self._write(state, path, meta, timing, started)
+        try:
+            self._staging.finish_copies(deferred, path, self._save, release=not borrowed)
+            self._write(state, path, meta, timing, started, borrowed)
+        finally:
+            self._staging.release()  # whatever failed, the optimizers' steps never wait in vain
 
     # ---- resuming -------------------------------------------------------------------------------------
 

@@ -23,7 +23,8 @@ import re
 import shutil
 import socket
 import stat
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -48,6 +49,7 @@ NODE_VARIABLE = "TENSORMORPH_NODE"  # names this process's node (tests simulate 
 LAYOUT_KEY = "tensormorph.layout"  # in a snapshot's manifest: each DTensor's global shape, mesh and placements
 LOCK_FILE = ".alive"
 _STEP = re.compile(r"^step-(\d{8,})$")
+HELD = re.compile(r"^peer-(\d{5})$")  # a rank folder's copies of another rank's snapshots (peers.py)
 
 
 def node_name() -> str:
@@ -91,9 +93,12 @@ class MemoryTier:
         """Shared memory this rank's snapshots take."""
         return sum(_bytes_of(s.path) for s in self.snapshots())
 
-    def save(self, step: int, state: dict[str, Any], extra: dict[str, Any]) -> Path:
+    def save(self, step: int, state: dict[str, Any], extra: dict[str, Any],
+             versions: Mapping[str, int] | None = None) -> Path:
         """Write this rank's part of `state` (DTensors as their local shards) as the snapshot of `step`, then
-        release the snapshots beyond the `keep` newest."""
+        release the snapshots beyond the `keep` newest. `versions`: tensors of training's own, written in place
+        of a copy, each with its version counter when the save began; one changed before its bytes were all
+        written fails the save (the snapshot would mix two steps)."""
         path = self.folder / f"step-{step:08d}"
         leaves = flatten(state)
         dtensor = dtensor_types()
@@ -111,7 +116,8 @@ class MemoryTier:
         save.join(save.prepare())
         try:
             objects = {name: encode_value(value, name) for name, value in leaves.objects.items()}
-            written = save.write_rank(0, [(p, _blocks(data[p.name], p.dtype)) for p in save.written_by(0, pieces)],
+            written = save.write_rank(0, [(p, _blocks(p.name, data[p.name], p.dtype, (versions or {}).get(p.name)))
+                                          for p in save.written_by(0, pieces)],
                                       objects)
             save.commit([written], [{}], {name: decode_value(v) for name, v in objects.items()})
         except BaseException:
@@ -204,9 +210,13 @@ def _layout(tensor: Any) -> dict[str, Any]:
             "placements": [placement_text(p) for p in tensor.placements]}
 
 
-def _blocks(tensor: torch.Tensor, dtype: str) -> Any:
+def _blocks(name: str, tensor: torch.Tensor, dtype: str, version: int | None) -> Any:
     def blocks() -> Any:
         yield as_numpy(cpu_contiguous(tensor), dtype).reshape(-1)
+        if version is not None and tensor._version != version:  # asked for once the bytes went out
+            raise CheckpointError("was changed in place while its memory snapshot was written (only the optimizer's "
+                                  "step may change it then, and it waits for the snapshot); the snapshot was not kept",
+                                  tensor=name)
     return blocks
 
 
@@ -228,8 +238,9 @@ class RankSnapshots:
     node: str
     rank: int
     steps: tuple[int, ...]
-    nbytes: int
+    nbytes: int  # its own snapshots and the copies it holds
     alive: bool  # its Checkpointer still holds the lock: the run is running
+    held: dict[int, tuple[int, ...]] = field(default_factory=dict)  # peer copies it holds: steps by origin rank
 
 
 def survey(folder: Path) -> list[RankSnapshots]:
@@ -237,9 +248,12 @@ def survey(folder: Path) -> list[RankSnapshots]:
     found = []
     for rank_folder in sorted(folder.glob("*/rank-*")):
         snapshots = committed(rank_folder)
+        copies = {int(held.name[5:]): committed(held) for held in sorted(rank_folder.glob("peer-*"))
+                  if HELD.match(held.name) and held.is_dir() and not held.is_symlink()}
+        nbytes = sum(_bytes_of(s.path) for s in [*snapshots, *(c for steps in copies.values() for c in steps)])
         found.append(RankSnapshots(rank_folder.parent.name, int(rank_folder.name[5:]),
-                                   tuple(s.step for s in snapshots), sum(_bytes_of(s.path) for s in snapshots),
-                                   _locked(rank_folder / LOCK_FILE)))
+                                   tuple(s.step for s in snapshots), nbytes, _locked(rank_folder / LOCK_FILE),
+                                   {origin: tuple(c.step for c in steps) for origin, steps in copies.items()}))
     return found
 
 

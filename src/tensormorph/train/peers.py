@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import uuid
 from pathlib import Path
@@ -27,11 +26,9 @@ import torch.distributed as dist
 
 from ..distributed.collective import Collective
 from ..storage import create_new
-from .memory import MemoryTier, committed
+from .memory import HELD, MemoryTier, committed
 
 __all__ = ["PeerTier", "buddies"]
-
-_HELD = re.compile(r"^peer-(\d{5})$")
 
 
 def buddies(nodes: list[str]) -> list[int | None]:
@@ -82,7 +79,7 @@ class PeerTier:
         """The steps of the copies this rank holds, by the rank they belong to."""
         out: dict[int, list[int]] = {}
         for folder in self.memory.folder.iterdir():
-            match = _HELD.match(folder.name)
+            match = HELD.match(folder.name)
             if match and folder.is_dir():
                 out[int(match.group(1))] = [s.step for s in committed(folder)]
         return out

@@ -20,9 +20,11 @@ from ..distributed.collective import Collective
 from ..errors import CheckpointError
 from ..storage import AnyPath, LocalFiles, as_path, store_at
 from ..tmformat.checkpoint import read_manifest
+from ..tmformat.manifest import Manifest
 from . import rng
 from .manager import TRAIN_KEY, CheckpointManager
-from .memory import MemoryTier
+from .memory import LAYOUT_KEY, MemoryTier
+from .optim_shell import OPTIMIZERS_KEY, prefill
 from .peers import PeerTier
 from .plain import from_plain, to_plain
 from .state import component_states, generator_state, loader_parts, optimizers
@@ -68,6 +70,7 @@ class Resumer:
         self._storage_options = storage_options
         self._pending: _Generators | None = None
         self._pending_data: tuple[Any, dict[str, Any]] | None = None  # a StatefulDataLoader's, until it iterates
+        self._prefilled: tuple[Any, ...] = ()  # optimizers given empty state shells by the resume under way
 
     def choose(self, step: int | None) -> Choice | None:
         """What to resume: the newest step, or `step`, on the fastest tier that holds it complete (a memory
@@ -124,6 +127,7 @@ class Resumer:
         """Load what `choice` names into what is given (collective): a memory snapshot, or when any rank cannot
         (damaged, another layout), the disk checkpoint; what was used, its step and its `extra`."""
         given = optimizers(optimizer)
+        self._prefilled = ()
         while choice.tier in ("memory", "peer"):  # the newest whole memory step, then older ones, then the disk
             restored = self._from_memory(choice, given, model, scheduler, scaler, dataloader, strict)
             if not isinstance(restored, str):
@@ -136,7 +140,7 @@ class Resumer:
                                                         f"step {choice.step} in memory: {reason}"])
         path = choice.path
         manifest = read_manifest(store_at(path), str(path))
-        target = self._target(model, given, scheduler, scaler, manifest.objects, dataloader)
+        target = self._target(model, given, scheduler, scaler, manifest, dataloader)
         tm_load(path if isinstance(path, Path) else str(path), target, strict=strict, storage_options=choice.options)
         step, extra = self._apply(path, manifest.extra[TRAIN_KEY], target, model, given, scheduler, scaler, dataloader)
         return choice, step, extra
@@ -167,10 +171,10 @@ class Resumer:
                 raise CheckpointError(f"its copy from a peer did not arrive ({delivered})")
             files = LocalFiles(snapshot)
             try:
-                objects = read_manifest(files, str(snapshot)).objects
+                manifest = read_manifest(files, str(snapshot))
             finally:
                 files.close()
-            target = filled["target"] = self._target(model, given, scheduler, scaler, objects, dataloader)
+            target = filled["target"] = self._target(model, given, scheduler, scaler, manifest, dataloader)
             meta = memory.load(snapshot, target, strict=strict)[TRAIN_KEY]
             if meta["world_size"] != world:  # a snapshot holds one rank's share: only its own world resumes
                 raise CheckpointError(f"it was saved on {meta['world_size']} ranks, this run has {world}")
@@ -188,10 +192,18 @@ class Resumer:
                                scaler, dataloader)
         return f"rank {failed[0].rank}: {failed[0].error}"
 
-    @staticmethod
-    def _target(model: Any, given: tuple[Any, ...], scheduler: Any, scaler: Any, objects: Any,
+    def _target(self, model: Any, given: tuple[Any, ...], scheduler: Any, scaler: Any, manifest: Manifest,
                 dataloader: Any) -> dict[str, Any]:
-        """The state to fill: the components given, and the plain values the checkpoint holds for them."""
+        """The state to fill: the components given (empty optimizers shaped from the checkpoint, which spares
+        torch's state-making step), and the plain values the checkpoint holds for them."""
+        for optimizer in self._prefilled:  # shells of an attempt that failed: torch's path must see them empty
+            optimizer.state.clear()
+        layouts = manifest.extra.get(LAYOUT_KEY, {})  # a memory snapshot's records hold local shapes
+        saved = {name: (record.dtype, tuple(layouts[name]["shape"]) if name in layouts else record.shape)
+                 for name, record in manifest.tensors.items()}
+        if prefill(model, given, saved, manifest.extra.get(TRAIN_KEY, {}).get(OPTIMIZERS_KEY)):
+            self._prefilled = given
+        objects = manifest.objects
         target: dict[str, Any] = {"step": None, **component_states(model, given, scheduler, scaler)}
         if "extra" in objects:
             target["extra"] = None

@@ -3,7 +3,8 @@
 Tensors go into CPU staging buffers reused between saves (pinned when the source is on a GPU); plain
 values are deep-copied. The CPU parameters and optimizer state change only in the optimizer's step, so
 their copy is left to the background thread, running while the next forward and backward do, and each
-optimizer's step waits for it (a step pre-hook: the fence). At most one save is in flight.
+optimizer's step waits for it (a step pre-hook: the fence). A save to host memory alone copies them not at
+all: its snapshot is written from them, behind the same fence. At most one save is in flight.
 """
 
 from __future__ import annotations
@@ -92,15 +93,23 @@ class Staging:
         self._fences: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # optimizer -> hook
         self._buffers: dict[str, torch.Tensor] = {}  # by state name, reused between saves
 
-    def stage(self, state: dict[str, Any], model: Any,
-              optimizers: tuple[Any, ...]) -> tuple[dict[str, Any], list[DeferredCopy]]:
+    def stage(self, state: dict[str, Any], model: Any, optimizers: tuple[Any, ...],
+              borrow: bool = False) -> tuple[dict[str, Any], list[DeferredCopy], dict[str, int]]:
         """A copy of `state` that training cannot change, and the copies deferred to the background thread
-        (those of the CPU parameters and optimizer state, which the optimizers' steps then wait for)."""
-        staged, deferred = self._copy(state, _owned_by(model, optimizers) if optimizers else set())
-        if deferred:
+        (those of the CPU parameters and optimizer state, which the optimizers' steps then wait for).
+
+        With `borrow`, those tensors are not copied at all: the staged state holds training's own, the third
+        result their version counters, and the optimizers' steps wait until `release` (a memory snapshot is
+        itself the copy: written straight from them, it spares a pass over the state and its buffers)."""
+        staged, deferred, borrowed = self._copy(state, _owned_by(model, optimizers) if optimizers else set(), borrow)
+        if deferred or borrowed:
             self._fence(optimizers)
             self._staged.clear()
-        return staged, deferred
+        return staged, deferred, borrowed
+
+    def release(self) -> None:
+        """The borrowed tensors are written: the optimizers' steps may change them again."""
+        self._staged.set()
 
     def start(self, work: Callable[[], None], timing: SaveTiming, name: str) -> None:
         """Run `work` (finishing the copies, writing) in the background; its error is raised by `wait`."""
@@ -119,9 +128,11 @@ class Staging:
             self.thread = None
             raise
 
-    def finish_copies(self, deferred: Sequence[DeferredCopy], path: AnyPath, collective: Collective) -> None:
+    def finish_copies(self, deferred: Sequence[DeferredCopy], path: AnyPath, collective: Collective,
+                      release: bool = True) -> None:
         """Make the deferred copies (background thread); raise on every rank when any rank's copy failed,
-        so that none is left waiting inside the save's collectives. A failed rank raises its own error."""
+        so that none is left waiting inside the save's collectives. A failed rank raises its own error.
+        Without `release` the optimizers' steps still wait afterwards (for tensors borrowed, until `release()`)."""
         own: Exception | None = None
 
         def copy_mine() -> None:
@@ -132,7 +143,8 @@ class Staging:
                 own = exc
                 raise
             finally:
-                self._staged.set()
+                if release:
+                    self._staged.set()
 
         failed = [o for o in collective.everyone(copy_mine) if not o.ok]
         if own is not None:
@@ -156,16 +168,22 @@ class Staging:
             handle.remove()
         self._fences.clear()
 
-    def _copy(self, state: dict[str, Any], deferrable: set[int]) -> tuple[dict[str, Any], list[DeferredCopy]]:
+    def _copy(self, state: dict[str, Any], deferrable: set[int],
+              borrow: bool) -> tuple[dict[str, Any], list[DeferredCopy], dict[str, int]]:
         """`state` with tensors in reused CPU buffers and plain values deep-copied; CPU tensors whose storage
-        is in `deferrable` are not copied yet: their copies are returned, for the background thread."""
+        is in `deferrable` are not copied yet: their copies are returned, for the background thread (or, with
+        `borrow`, they stay as they are, with their version counters returned)."""
         buffers = self._buffers
         on_gpu = False
         deferred: list[DeferredCopy] = []
+        borrowed: dict[str, int] = {}
 
         def copy_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
             nonlocal on_gpu
             local = _local(tensor)
+            if borrow and not local.is_cuda and _storage(local) in deferrable:
+                borrowed[name] = local._version
+                return tensor
             buffer = buffers.get(name)
             if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
                 buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.is_cuda)
@@ -183,7 +201,7 @@ class Staging:
         staged = walk(state, copy_tensor, lambda name, value: copy.deepcopy(value))
         if on_gpu:
             torch.cuda.synchronize()
-        return staged, deferred
+        return staged, deferred, borrowed
 
     def _fence(self, optimizers: tuple[Any, ...]) -> None:
         """Make each optimizer's step wait until the background copy of the parameters and its state is done."""
