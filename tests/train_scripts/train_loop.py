@@ -174,6 +174,8 @@ def main() -> None:
                 ckpt.save(step + 1, **state, extra={"tokens_seen": tokens})
                 if step + 1 in args.markers:
                     ckpt.wait()
+                    if world > 1:
+                        dist.barrier()  # every rank's save is done (its peer copies kept and pruned) before the word
                     if rank == 0:
                         print(f"DURABLE {step + 1}", flush=True)
                     time.sleep(600)

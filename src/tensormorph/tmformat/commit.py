@@ -339,6 +339,17 @@ def _close_inherited_markers() -> None:
 os.register_at_fork(after_in_child=_close_inherited_markers)
 
 
+def discard_folder(folder: Path) -> None:
+    """Delete a committed folder, renamed out of sight first: a crash mid-delete leaves a temporary folder (which
+    `remove_abandoned` sweeps), never a checkpoint with its manifest but not all its files."""
+    doomed = folder.parent / f"{TEMP_PREFIX}deleting-{folder.name}-{uuid.uuid4().hex[:12]}"
+    try:
+        os.rename(folder, doomed)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def remove_abandoned(folder: Path, *, grace_s: float = 60.0) -> list[Path]:
     """Delete the temporary folders under `folder` that no live save owns; returns what was deleted.
 

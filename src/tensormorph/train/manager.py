@@ -8,7 +8,6 @@ No collectives here: the Checkpointer decides which rank calls what.
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 import warnings
 from collections.abc import Collection
@@ -19,7 +18,7 @@ from typing import Any
 from ..errors import CheckpointError, MissingFileError
 from ..storage import AnyPath, RemotePath, as_path, create_new, entries, open_regular, store_at
 from ..tmformat.checkpoint import read_manifest
-from ..tmformat.commit import remove_abandoned
+from ..tmformat.commit import discard_folder, remove_abandoned
 from ..tmformat.manifest import MANIFEST, TEMP_PREFIX
 
 __all__ = ["FOLDER_PREFIX", "TRAIN_KEY", "CheckpointInfo", "CheckpointManager"]
@@ -133,13 +132,7 @@ class CheckpointManager:
             fs.rm_file(f"{key}/{MANIFEST}")
             fs.rm(key, recursive=True)
             return
-        # renamed out of sight first: a crash mid-delete leaves a temporary folder, never a broken checkpoint
-        doomed = folder.parent / f"{TEMP_PREFIX}deleting-{folder.name}-{uuid.uuid4().hex[:12]}"
-        try:
-            os.rename(folder, doomed)
-        except FileNotFoundError:
-            return
-        shutil.rmtree(doomed, ignore_errors=True)
+        discard_folder(folder)
 
     def _info(self, folder: AnyPath) -> CheckpointInfo | None:
         files = store_at(folder)

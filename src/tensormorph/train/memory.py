@@ -36,7 +36,7 @@ from ..distributed.state import dtensor_types, flatten, placement_text
 from ..errors import CheckpointError, StateMismatchError
 from ..storage import AnyPath, LocalFiles
 from ..tmformat.checkpoint import read_manifest
-from ..tmformat.commit import remove_abandoned
+from ..tmformat.commit import discard_folder, remove_abandoned
 from ..tmformat.manifest import MANIFEST, decode_value, encode_value
 from ..tmformat.reader import BoxReader
 from ..tmformat.writer import Piece, SaveTransaction
@@ -124,7 +124,7 @@ class MemoryTier:
             save.remove()
             raise
         for old in self.snapshots()[:-self.keep]:
-            shutil.rmtree(old.path, ignore_errors=True)
+            discard_folder(old.path)
         return path
 
     def load(self, snapshot: Path, target: dict[str, Any], *, strict: bool = True) -> dict[str, Any]:
@@ -172,7 +172,7 @@ class MemoryTier:
             for child in folder.glob("step-*"):
                 match = _STEP.match(child.name)
                 if match and int(match.group(1)) > step:
-                    shutil.rmtree(child, ignore_errors=True)
+                    discard_folder(child)
 
     def release(self) -> None:
         """Delete every snapshot of this rank (a finished run's memory goes back to the system)."""
