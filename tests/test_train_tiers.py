@@ -548,3 +548,32 @@ def test_a_run_id_planted_as_a_link_is_not_followed(tmp_path):
         with pytest.raises(CheckpointError, match="link"):
             Checkpointer(tmp_path / root, memory_every=1, memory_dir=tmp_path / "shm")
     assert outside.read_text() == "keep me" and not (tmp_path / "nowhere").exists()
+
+
+def test_uploads_killed_before_their_commit_are_swept_at_the_next_start(tmp_path, s3):
+    import fsspec
+
+    from tensormorph.tmformat.commit import FsspecDestination
+
+    url, options = "s3://tiers/swept", s3.storage_options
+    tiers = dict(disk_every=1, remote=url, remote_every=2, remote_storage_options=options)
+    model, opt = _training()
+    ckpt = Checkpointer(tmp_path / "run", **tiers)
+    saved = _train(ckpt, model, opt, range(1, 3))  # step 2 is copied to the store
+    ckpt.close()
+    fs = fsspec.filesystem("s3", **options)
+    committed = sorted(fs.find("tiers/swept"))
+    for step, overwrite in ((2, True), (4, False)):  # an overwrite and a new copy, killed before their PUT
+        upload = FsspecDestination(f"{url}/step-{step:08d}", overwrite=overwrite, storage_options=options)
+        upload.prepare()
+        with upload.open(f"{upload.file_prefix}rank-00000.safetensors") as handle:
+            handle.write(b"\0" * 1000)
+    fs.invalidate_cache()
+    assert len(fs.find("tiers/swept")) == len(committed) + 4  # two generations' files and two save markers
+    again = Checkpointer(tmp_path / "run", **tiers)
+    again.close()  # its drain swept before anything else
+    fs.invalidate_cache()
+    assert sorted(fs.find("tiers/swept")) == committed
+    fresh, _ = _training(seed=1)
+    tm.load(f"{url}/step-00000002", {"model": dict(fresh.state_dict())}, strict=False, storage_options=options)
+    assert all(torch.equal(p, saved[n]) for n, p in fresh.named_parameters())

@@ -69,6 +69,10 @@ class Drain:
         self._thread.join()
 
     def _run(self) -> None:
+        try:  # before any copy of its own: what a killed copy left can only be a dead upload's
+            self.manager.sweep_uploads()
+        except Exception as exc:  # garbage left is no failure of training
+            warnings.warn(f"could not sweep unfinished uploads under {self.manager.root}: {exc}", stacklevel=1)
         while True:
             with self._condition:
                 self._condition.wait_for(lambda: self._pending is not None or self._closed)

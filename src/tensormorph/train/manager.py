@@ -8,6 +8,7 @@ No collectives here: the Checkpointer decides which rank calls what.
 from __future__ import annotations
 
 import os
+import re
 import uuid
 import warnings
 from collections.abc import Collection
@@ -19,12 +20,14 @@ from ..errors import CheckpointError, MissingFileError
 from ..storage import AnyPath, RemotePath, as_path, create_new, entries, open_regular, store_at
 from ..tmformat.checkpoint import read_manifest
 from ..tmformat.commit import discard_folder, remove_abandoned
-from ..tmformat.manifest import MANIFEST, TEMP_PREFIX
+from ..tmformat.manifest import GENERATION_PREFIX, MANIFEST, MAX_MANIFEST_BYTES, SAVE_MARKER, TEMP_PREFIX, parse
+from ..tmformat.recovery import all_files
 
 __all__ = ["FOLDER_PREFIX", "TRAIN_KEY", "CheckpointInfo", "CheckpointManager"]
 
 TRAIN_KEY = "tensormorph.train"
 FOLDER_PREFIX = "step-"
+_STEP_FOLDER = re.compile(rf"{FOLDER_PREFIX}\d{{8,}}")  # the names `path` gives
 RUN_ID_FILE = ".tensormorph-run"  # in a local root: the run's id, which names its memory snapshots
 
 
@@ -93,6 +96,39 @@ class CheckpointManager:
             # a save in progress in another process (its marker still locked) is left alone
             remove_abandoned(self.root)
         return max((info.seq for info in self.list()), default=0)
+
+    def sweep_uploads(self) -> list[str]:
+        """On an object store, delete what uploads killed before their commit left under the root: a step's
+        generation folders its manifest does not name and its save marker, and step prefixes holding files but
+        no manifest. Returns
+        the keys deleted. The prefix belongs to one run, whose one copying process calls this before it copies:
+        an upload in flight elsewhere would be taken for a dead one."""
+        if not isinstance(self.root, RemotePath):
+            return []
+        fs = self.root.remote.fs
+        try:
+            prefixes = fs.ls(self.root.remote.path(self.root.url), detail=False, refresh=True)
+        except FileNotFoundError:
+            return []  # nothing was ever copied there
+        doomed = []
+        for prefix in prefixes:
+            if not _STEP_FOLDER.fullmatch(prefix.rstrip("/").rsplit("/", 1)[-1]):
+                continue
+            children = {key.rstrip("/").rsplit("/", 1)[-1]: key for key in fs.ls(prefix, detail=False, refresh=True)}
+            if MANIFEST not in children:
+                doomed.append(prefix)
+                continue
+            try:
+                if fs.size(children[MANIFEST]) > MAX_MANIFEST_BYTES:
+                    continue
+                named = {name.split("/", 1)[0] for name in all_files(parse(fs.cat_file(children[MANIFEST]), prefix))}
+            except CheckpointError:
+                continue  # a damaged manifest says nothing trustworthy about its files: leave them
+            doomed += [key for name, key in children.items()
+                       if (name.startswith(GENERATION_PREFIX) and name not in named) or name == SAVE_MARKER]
+        for key in doomed:
+            fs.rm(key, recursive=True)
+        return doomed
 
     def list(self) -> list[CheckpointInfo]:
         """Committed training checkpoints under the root, oldest first (by commit order)."""

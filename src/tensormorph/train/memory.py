@@ -205,8 +205,10 @@ def _private_folder(folder: Path) -> None:
 
 
 def _layout(tensor: Any) -> dict[str, Any]:
+    """What a local shard's meaning depends on: the global shape, the mesh (its shape and which rank sits where
+    in it) and the placements."""
     mesh = tensor.device_mesh
-    return {"shape": list(tensor.shape), "mesh": list(mesh.shape),
+    return {"shape": list(tensor.shape), "mesh": list(mesh.shape), "ranks": mesh.mesh.flatten().tolist(),
             "placements": [placement_text(p) for p in tensor.placements]}
 
 
