@@ -80,9 +80,10 @@ def test_tensor_parallel_table_shows_each_share(llama3):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--device", "cuda:0=24GiB"], "device cuda:0: missing tflops= (compute, TFLOP/s) and bw="),
+    (["--device", "cuda:0=24GiB,bw=900"], "device cuda:0: missing tflops= (compute, TFLOP/s)"),
     (["--device", "cuda:0=-4GiB,tflops=1,bw=1"], "memory must be positive, got -4GiB"),
-    (["--device", "cuda0:24GiB"], "expected NAME=MEMORY"),
+    (["--device", "cuda0:24GiB"], "device 'cuda0:24GiB' is not in the device table"),
+    (["--device", "rtx 4060 ti"], "may be any of: NVIDIA GeForce RTX 4060 Ti 8GB; NVIDIA GeForce RTX 4060 Ti 16GB"),
     (["--device", FAST, "--cache-dtype", "int3"], "unknown dtype 'int3'"),
     (["--device", "cuda:0=4GiB,tflops=1,bw=1"], "cannot fit on cuda:0 at any context"),
     (["--device", FAST, "--device", SLOW, "--device", "cuda:2=8GiB,tflops=1,bw=1", "--strategy", "tensor"],

@@ -4,6 +4,8 @@
     p = tm.plan("Llama-3-8B", ["cuda:0=24GiB,tflops=165,bw=1000", "cuda:1=12GiB,tflops=70,bw=360"],
                 tm.planner.Workload(context=8192))
     p.fits, p.bottleneck.reason, p.to_accelerate()
+    tm.plan("model-Q4_K_M.gguf", ["rtx3090", "rtx 4060 ti 16gb", "cpu=64GiB"])   # devices by name, GGUF
+    tm.plan("Llama-3-8B", ["cuda:0=24GiB", "cuda:1=12GiB"])     # speeds unknown: by memory, no times
     p.load("Llama-3-8B")                       # each tensor straight to its device (torch)
     tm.plan.resident(model)                    # bytes a loaded model holds per device (torch)
 
@@ -12,12 +14,13 @@ Planning reads only metadata and needs numpy alone; `Plan.load` and `resident` i
 
 from __future__ import annotations
 
+from .devices import local_devices, parse_device, parse_devices
 from .result import Bottleneck, DeviceUsage, Plan, Shortfall
 from .runtime import resident
 from .solve import plan
-from .spec import Device, PlanError, Workload, parse_device
+from .spec import Device, PlanError, Workload
 
 plan.resident = resident  # type: ignore[attr-defined]  # tensormorph.plan.resident(model)
 
-__all__ = ["Bottleneck", "Device", "DeviceUsage", "Plan", "PlanError", "Shortfall", "Workload", "parse_device",
-           "plan", "resident"]
+__all__ = ["Bottleneck", "Device", "DeviceUsage", "Plan", "PlanError", "Shortfall", "Workload", "local_devices",
+           "parse_device", "parse_devices", "plan", "resident"]

@@ -55,7 +55,7 @@ def element_bytes(name: str) -> float:
 
 def kv_bytes_per_layer(spec: ModelSpec, workload: Workload, kv_share: float = 1.0) -> int:
     """2 (K and V) × KV width × context × batch × cache bytes per element."""
-    cache = element_bytes(workload.cache_dtype or spec.act_dtype)
+    cache = element_bytes(workload.cache_dtype or spec.default_cache)
     return math.ceil(2 * spec.arch.kv_dim * kv_share * workload.context * workload.batch * cache)
 
 
@@ -155,7 +155,10 @@ def handoff_bytes(spec: ModelSpec, workload: Workload) -> tuple[float, float]:
 
 
 def seconds(nbytes: float, flops: float, device: Device) -> float:
-    """Roofline: the slower of reading the bytes and doing the FLOPs."""
+    """Roofline: the slower of reading the bytes and doing the FLOPs; 0 for a device of unknown speed (a plan
+    with one predicts no times)."""
+    if device.tflops is None or device.bandwidth is None:
+        return 0.0
     return max(nbytes / (device.bandwidth * 1e9), flops / (device.tflops * 1e12))
 
 

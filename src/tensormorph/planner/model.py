@@ -13,7 +13,9 @@ from typing import Any
 from ..core import Checkpoint
 from ..errors import CheckpointError
 from ..formats import detect, open_checkpoint
+from ..formats.gguf import NAME as GGUF
 from ..storage import AnyPath, store_at
+from .gguf_model import gguf_model
 from .modelspec import CONFIG_KEYS, ENCODER_TYPES, ModelSpec, build_model, config_value, is_head, text_config
 from .spec import PlanError
 
@@ -28,8 +30,13 @@ _LAYOUTS: dict[str, dict[str, Any]] = {
 
 
 def load_model(source: Any, dtype: str | None = None) -> ModelSpec:
-    """A ModelSpec from a checkpoint path, an open Checkpoint, a folder or file holding only config.json,
-    a config dict, or a transformers config object. `dtype` overrides the floating-point weights' dtype."""
+    """A ModelSpec from a checkpoint path (a GGUF file too), an open Checkpoint, a folder or file holding only
+    config.json, a config dict, a transformers config object, or a ModelSpec already built (such as
+    `quantize.quantized(spec, preset)`). `dtype` overrides the floating-point weights' dtype."""
+    if isinstance(source, ModelSpec):
+        if dtype is not None:
+            raise PlanError(f"a ModelSpec is planned as built; a dtype ({dtype}) does not apply")
+        return source
     if isinstance(source, Checkpoint):
         return _from_checkpoint(source, config_beside(source.path), dtype, _display_name(source.path))
     if isinstance(source, Mapping) or hasattr(source, "to_dict"):
@@ -90,6 +97,8 @@ def _required(config: dict[str, Any], key: str) -> int:
 
 
 def _from_checkpoint(ck: Checkpoint, config: dict[str, Any] | None, dtype: str | None, name: str) -> ModelSpec:
+    if ck.format == GGUF:  # sizes and architecture from the file itself
+        return gguf_model(ck, dtype, Path(str(ck.path)).name.removesuffix(".gguf"))
     tensors = [(t.name, t.shape, t.dtype) for t in ck.values()]
     groups: dict[tuple[str, tuple[int, int]], list[str]] = {}
     for t in ck.values():  # tied weights in torch pickles share one storage: same file, same bytes

@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import dtypes
 from ..storage import AnyPath
-from .spec import ELEMENT_BYTES, STORED_DTYPES, PlanError
+from .spec import ELEMENT_BYTES, GGML_ELEMENT_BYTES, STORED_DTYPES, PlanError
 
 # Config keys vary by family; the first present wins.
 CONFIG_KEYS = {
@@ -35,17 +35,20 @@ CONFIG_KEYS = {
     "dtype": ("dtype", "torch_dtype"),
 }
 
-_EMBED = re.compile(r"(embed|wte|wpe|word_embeddings|tok_embeddings|position_embeddings)", re.IGNORECASE)
+# the GGUF names (token_embd, output_norm, attn_q, ffn_up_exps...) are llama.cpp's, from its tensor table
+_EMBED = re.compile(r"(embed|wte|wpe|word_embeddings|tok_embeddings|position_embeddings|token_embd)", re.IGNORECASE)
 _HEAD = re.compile(r"^(lm_head|embed_out|output|head)$")
-_FINAL_NORM = re.compile(r"^(norm|ln_f|final_layer_norm|final_layernorm|norm_f|final_norm)$")
+_FINAL_NORM = re.compile(r"^(norm|ln_f|final_layer_norm|final_layernorm|norm_f|final_norm|output_norm)$")
 _ROLES = [  # on the module that owns the tensor (the fused v5 expert parameters own themselves)
-    (re.compile(r"^(q_proj|wq|query)$"), "q"),
-    (re.compile(r"^(k_proj|v_proj|wk|wv|key|value)$"), "kv"),
-    (re.compile(r"^(qkv_proj|c_attn|query_key_value|wqkv|Wqkv)$"), "qkv"),
-    (re.compile(r"^(o_proj|wo|out_proj)$"), "o"),
-    (re.compile(r"^(gate_proj|up_proj|w1|w3|fc1|c_fc|gate_up_proj|dense_h_to_4h|fc_in)$"), "col"),
-    (re.compile(r"^(down_proj|w2|fc2|dense_4h_to_h|fc_out)$"), "row"),
+    (re.compile(r"^(q_proj|wq|query|attn_q)$"), "q"),
+    (re.compile(r"^(k_proj|v_proj|wk|wv|key|value|attn_k|attn_v)$"), "kv"),
+    (re.compile(r"^(qkv_proj|c_attn|query_key_value|wqkv|Wqkv|attn_qkv)$"), "qkv"),
+    (re.compile(r"^(o_proj|wo|out_proj|attn_output)$"), "o"),
+    (re.compile(r"^(gate_proj|up_proj|w1|w3|fc1|c_fc|gate_up_proj|dense_h_to_4h|fc_in"
+                r"|ffn_(gate|up|gate_up)(_exps|_shexp)?)$"), "col"),
+    (re.compile(r"^(down_proj|w2|fc2|dense_4h_to_h|fc_out|ffn_down(_exps|_shexp)?)$"), "row"),
 ]
+_EXPERT = re.compile(r"(^|\.)experts\.|_exps\.(weight|bias)$")  # routed experts: HF's numbered ones, GGUF's fused
 _ATTENTION = re.compile(r"(attn|attention)", re.IGNORECASE)
 # encoder-only families (BERT and its kin): one forward pass over the input, no KV cache, no LM head to decode
 ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
@@ -122,7 +125,7 @@ class ModelSpec:
     """A model for planning: its units in execution order and its architecture."""
 
     name: str
-    source: str  # "checkpoint" or "config"
+    source: str  # "checkpoint", "config" or "gguf"
     arch: Arch
     dtype: str  # planned dtype of the floating-point weights
     act_dtype: str  # dtype of activations (and of the KV cache unless the workload says otherwise)
@@ -131,6 +134,12 @@ class ModelSpec:
     outputs: tuple[Unit, ...]
     path: AnyPath | None = None
     notes: tuple[str, ...] = ()
+    cache_dtype: str | None = None  # the runtime's default KV cache dtype when not act_dtype (llama.cpp: fp16)
+
+    @property
+    def default_cache(self) -> str:
+        """The KV cache dtype when the workload names none."""
+        return self.cache_dtype or self.act_dtype
 
     @property
     def units(self) -> tuple[Unit, ...]:
@@ -173,6 +182,8 @@ def _element_bytes(stored: str, dtype: str | None) -> float:
     """Bytes per element of a stored tensor once loaded: floating tensors take the planned dtype."""
     if dtype is not None and stored in STORED_DTYPES:
         return ELEMENT_BYTES[dtype]
+    if stored in GGML_ELEMENT_BYTES and stored not in STORED_DTYPES:  # a GGUF block type: exactly as stored
+        return GGML_ELEMENT_BYTES[stored]
     return float(dtypes.numpy_dtype(stored).itemsize)
 
 
@@ -267,7 +278,7 @@ def build_model(tensors: list[tuple[str, tuple[int, ...], str]], shared: dict[st
     def spec(t: tuple[str, tuple[int, ...], str], kind: str) -> TensorSpec:
         tname, shape, stored = t
         return TensorSpec(tname, tuple(shape), _element_bytes(stored, dtype), _role(tname, kind, len(shape)),
-                          expert=".experts." in f".{tname}" and kind == "layer", tied_to=shared.get(tname))
+                          expert=bool(_EXPERT.search(tname)) and kind == "layer", tied_to=shared.get(tname))
 
     units: dict[str, list[Unit]] = {kind: [] for kind in ("input", "layer", "output")}
     for module, members in by_module.items():
@@ -365,7 +376,8 @@ def _count_experts(layers: tuple[Unit, ...]) -> int:
     """Routed experts per layer from the names (experts.N...) or a fused [experts, ...] parameter."""
     most = 0
     for layer in layers:
-        numbered = {t.name.split(".experts.")[1].split(".")[0] for t in layer.tensors if t.expert}
+        numbered = {t.name.split(".experts.")[1].split(".")[0] for t in layer.tensors
+                    if t.expert and ".experts." in t.name}
         ids = {n for n in numbered if n.isdigit()}
         fused = [t.shape[0] for t in layer.tensors if t.expert and len(t.shape) == 3]
         most = max(most, len(ids), *fused)

@@ -32,6 +32,7 @@ from .spec import Device, Workload
 
 _RELATIVE_TOLERANCE = 1e-6
 _POLISHED = 4  # candidates refined by local search
+_BALANCE_TOLERANCE = 1e-4  # of a device's memory: how evenly a memory-only split fills them
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ class PipelineSolver:
 
     def __init__(self, spec: ModelSpec, devices: Sequence[Device], workload: Workload, links: Sequence[float]):
         self.spec, self.devices, self.links = spec, list(devices), list(links)
+        if not all(d.speed_known for d in self.devices):
+            raise ValueError("the pipeline solver times stages: give it devices of known speed")
+        self.bytes_per_s = [float(d.bandwidth or 0) * 1e9 for d in self.devices]
+        self.flops_per_s = [float(d.tflops or 0) * 1e12 for d in self.devices]
         costs = [unit_cost(u, spec, workload) for u in spec.units]
         n_in, n_layers = len(spec.inputs), len(spec.layers)
         inputs, layers, outputs = costs[:n_in], costs[n_in:n_in + n_layers], costs[n_in + n_layers:]
@@ -102,9 +107,9 @@ class PipelineSolver:
             fixed = (device.reserve_bytes + self.in_weights * (d == first) + self.out_weights * (d == last)
                      + self.activations[(d == first, True, d == last)])
             end = min(
-                np.searchsorted(self.prefix_bytes, self.prefix_bytes[start] + budget * device.bandwidth * 1e9 - nbytes,
+                np.searchsorted(self.prefix_bytes, self.prefix_bytes[start] + budget * self.bytes_per_s[d] - nbytes,
                                 "right"),
-                np.searchsorted(self.prefix_flops, self.prefix_flops[start] + budget * device.tflops * 1e12 - flops,
+                np.searchsorted(self.prefix_flops, self.prefix_flops[start] + budget * self.flops_per_s[d] - flops,
                                 "right"),
                 np.searchsorted(self.prefix_memory, self.prefix_memory[start] + memory[d] - fixed, "right"),
             ) - 1
@@ -134,7 +139,7 @@ class PipelineSolver:
                       + self.in_work[0] * held[0] + self.out_work[0] * held[2])
             flops = (self.prefix_flops[b] - self.prefix_flops[a]
                      + self.in_work[1] * held[0] + self.out_work[1] * held[2])
-            stage = max(nbytes / (device.bandwidth * 1e9), flops / (device.tflops * 1e12)) / self.items
+            stage = max(nbytes / self.bytes_per_s[d], flops / self.flops_per_s[d]) / self.items
             if held[1]:
                 stage += self._recv(first if d == holders[0] else holders[holders.index(d) - 1], d)
             if d == last:
@@ -157,8 +162,8 @@ class PipelineSolver:
         (counting every layer at the largest layer's size), then the counts become ranges in device order."""
         n = self.layers
         layer_memory = float(np.max(np.diff(self.prefix_memory)))
-        per_layer = [max(self.prefix_bytes[n] / n / (d.bandwidth * 1e9), self.prefix_flops[n] / n / (d.tflops * 1e12))
-                     for d in self.devices]
+        per_layer = [max(self.prefix_bytes[n] / n / self.bytes_per_s[d], self.prefix_flops[n] / n / self.flops_per_s[d])
+                     for d in range(len(self.devices))]
         counts = [0] * len(self.devices)
         remaining = n
         for d in sorted(range(len(self.devices)), key=per_layer.__getitem__):
@@ -199,6 +204,26 @@ class PipelineSolver:
         candidates.sort(key=lambda s: (s.time, s.slowest))
         return min((self.improve(s, memory) for s in candidates[:_POLISHED]), key=lambda s: (s.time, s.slowest),
                    default=None)
+
+    def balanced(self, memory: Sequence[int]) -> Split | None:
+        """Memory alone (speeds unknown): the split that fills the accelerators most evenly, each to the least
+        common fraction of its memory after the reserve (llama.cpp splits by free memory too); host devices take
+        only what the accelerators cannot hold. None when nothing fits."""
+        host = [d.is_host for d in self.devices]
+
+        def at(fraction: float, with_host: bool) -> Split | None:
+            scaled = [(m if with_host else 0) if h else int(d.reserve_bytes + fraction * (m - d.reserve_bytes))
+                      for m, h, d in zip(memory, host, self.devices)]
+            return next((s for e, t in self._sides() if (s := self.split(math.inf, e, t, scaled)) is not None), None)
+
+        found = at(1.0, False)
+        if found is None:
+            return at(1.0, True) if any(host) else None
+        low, high = 0.0, 1.0  # found fits at high
+        while high - low > _BALANCE_TOLERANCE:
+            trial = at((low + high) / 2, False)
+            low, high, found = (low, (low + high) / 2, trial) if trial is not None else ((low + high) / 2, high, found)
+        return found
 
     def improve(self, split: Split, memory: Sequence[int]) -> Split:
         """Move a layer, all of a device's layers, or the input or output side to another device while the

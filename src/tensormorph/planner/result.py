@@ -70,14 +70,19 @@ class DeviceUsage:
                 runs.append([n, n])
         return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
-    def to_dict(self, workload: Workload) -> dict[str, Any]:
+    def to_dict(self, workload: Workload, speed_known: bool = True) -> dict[str, Any]:
+        """Plain JSON types; with `speed_known` False every time is None (the work in bytes and FLOPs stays)."""
         def phase(compute: float, handoff: float, nbytes: float, flops: float, tokens: int) -> dict[str, Any]:
+            if not speed_known:
+                return {"compute_s": None, "handoff_s": None, "stage_s": None, "bytes": nbytes, "flops": flops,
+                        "tokens_per_s": None}
             stage = compute + handoff
             return {"compute_s": compute, "handoff_s": handoff, "stage_s": stage, "bytes": nbytes, "flops": flops,
                     "tokens_per_s": tokens / stage if stage > 0 else None}
 
         return {
-            "device": self.name, "memory": self.device.memory, "tflops": self.device.tflops,
+            "device": self.name, "product": self.device.product, "memory": self.device.memory,
+            "tflops": self.device.tflops,
             "bandwidth_gbps": self.device.bandwidth, "weights": self.weights, "kv_cache": self.kv_cache,
             "activations": self.activations, "reserve": self.reserve, "used": self.used, "free": self.free,
             "fits": self.fits, "layers": self.layer_ranges, "modules": list(self.units), "share": self.share,
@@ -94,9 +99,22 @@ class Bottleneck:
 
     device: str
     phase: str  # decode or prefill
-    seconds: float
-    limit: str  # memory bandwidth, compute or link
+    seconds: float | None  # None when the speed of a device is unknown
+    limit: str  # memory bandwidth, compute, link; "unknown" when a device's speed is
     reason: str
+
+
+@dataclass(frozen=True)
+class QuantizedFit:
+    """A llama.cpp quantization of the weights that would fit: on all the devices, or on `device` alone."""
+
+    preset: str  # Q8_0, Q6_K, Q5_K_M, Q4_K_M
+    weights: int  # bytes of the weights so quantized (an estimate: see planner.quantize)
+    device: str | None = None
+
+    def __str__(self) -> str:
+        where = f"fits on {self.device} alone" if self.device else "fits"
+        return f"{self.preset}: {human_bytes(self.weights)}, {where}"
 
 
 @dataclass(frozen=True)
@@ -108,6 +126,7 @@ class Shortfall:
     cache_dtype: str | None  # a smaller KV cache dtype that fits at the requested context
     prefill_chunk: int | None  # a prefill chunk whose smaller activations make it fit
     more_memory: dict[str, int]  # device -> bytes to add: to one device when the split can change
+    quantized: tuple[QuantizedFit, ...] = ()  # the best quantization that fits, then the best on one device
 
     @property
     def total(self) -> int:
@@ -124,12 +143,14 @@ class Shortfall:
         if self.more_memory:
             out.append(" and ".join(f"{human_bytes(extra)} more memory on {device}"
                                     for device, extra in self.more_memory.items()))
+        out.extend(f"the weights quantized to {fit}" for fit in self.quantized)
         return out
 
     def to_dict(self) -> dict[str, Any]:
         return {"over": dict(self.over), "total": self.total, "max_context": self.max_context,
                 "cache_dtype": self.cache_dtype, "prefill_chunk": self.prefill_chunk,
                 "more_memory": dict(self.more_memory),
+                "quantized": [{"preset": q.preset, "weights": q.weights, "device": q.device} for q in self.quantized],
                 "suggestions": self.suggestions()}
 
 
@@ -139,6 +160,8 @@ class Plan:
 
     `device_map` (pipeline plans) maps module names to device names, the shape accelerate's
     `device_map` takes; tensor-parallel plans split every layer instead and have none.
+    With `speed_known` False (a device given by memory alone) the layers are balanced by memory, and the times
+    (decode_step_s, prefill_time_s, the rates, the bottleneck's seconds) are None; rows' times are 0.
     """
 
     strategy: str  # pipeline or tensor
@@ -146,20 +169,23 @@ class Plan:
     workload: Workload
     devices: tuple[DeviceUsage, ...]
     device_map: dict[str, str] | None
-    decode_step_s: float  # one decode step of the whole batch through every stage
-    prefill_time_s: float  # prefilling the whole prompt of every sequence, chunks pipelined
+    decode_step_s: float | None  # one decode step of the whole batch through every stage
+    prefill_time_s: float | None  # prefilling the whole prompt of every sequence, chunks pipelined
     bottleneck: Bottleneck
     shortfall: Shortfall | None
     links: tuple[float, ...]
     notes: tuple[str, ...] = ()
+    speed_known: bool = True
 
     @property
     def fits(self) -> bool:
         return all(d.fits for d in self.devices)
 
     @property
-    def decode_tokens_per_s(self) -> float:
-        """0 for an encoder-only model, which decodes nothing."""
+    def decode_tokens_per_s(self) -> float | None:
+        """0 for an encoder-only model, which decodes nothing; None when the speed is unknown."""
+        if self.decode_step_s is None:
+            return None
         return self.workload.batch / self.decode_step_s if self.decode_step_s > 0 else 0.0
 
     @property
@@ -174,7 +200,9 @@ class Plan:
                 f"{w.context:,} tokens per sequence")
 
     @property
-    def prefill_tokens_per_s(self) -> float:
+    def prefill_tokens_per_s(self) -> float | None:
+        if self.prefill_time_s is None:
+            return None
         return self.workload.batch * self.workload.context / self.prefill_time_s
 
     def usage(self, device: str) -> DeviceUsage:
@@ -188,15 +216,16 @@ class Plan:
         """Everything in plain JSON types (`tensormorph plan --json` prints this)."""
         w = self.workload
         encoder = self.model.arch.encoder
-        devices = [d.to_dict(w) for d in self.devices]
+        devices = [d.to_dict(w, self.speed_known) for d in self.devices]
         if encoder:  # nothing is decoded: no decode figures
             for row in devices:
                 row["decode"] = {key: None for key in row["decode"]}
         return {
-            "strategy": self.strategy, "fits": self.fits, "model": self.model.summary(),
+            "strategy": self.strategy, "fits": self.fits, "speed_known": self.speed_known,
+            "model": self.model.summary(),
             "model_kind": "encoder" if encoder else "decoder", "plans": self.plans,
             "workload": {"context": w.context, "batch": w.batch, "dtype": self.model.dtype,
-                         "cache_dtype": w.cache_dtype or self.model.act_dtype, "prefill_chunk": w.prefill_chunk,
+                         "cache_dtype": w.cache_dtype or self.model.default_cache, "prefill_chunk": w.prefill_chunk,
                          "optimize": w.optimize},
             "devices": devices,
             "links_gbps": list(self.links),
@@ -216,6 +245,8 @@ class Plan:
 
         `devices` maps plan device names that are not torch devices ("3090") to torch ones (0, "cuda:1").
         """
+        if self.model.source == "gguf":
+            raise PlanError("a GGUF model's modules (blk.N) are llama.cpp's: accelerate cannot place them")
         if self.device_map is None:
             raise PlanError("a tensor-parallel plan splits every layer across devices; accelerate's device_map "
                             "places whole modules (plan with strategy='pipeline' for one)")

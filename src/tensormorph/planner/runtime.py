@@ -49,6 +49,9 @@ def load_plan(plan: Plan, checkpoint: str | Path | Checkpoint, model: Any = None
     require("torch", "torch", feature="Plan.load")
     from ..torch_arrays import to_torch, torch_dtype  # import torch: only loading a plan needs them
 
+    if plan.model.source == "gguf":
+        raise PlanError("a GGUF model runs in llama.cpp, which loads it itself; Plan.load streams a torch "
+                        "checkpoint onto the planned devices")
     if plan.device_map is None:
         raise PlanError("a tensor-parallel plan is loaded by a tensor-parallel runtime (vLLM, llama.cpp "
                         "--split-mode row); Plan.load places whole modules from a pipeline plan")

@@ -12,11 +12,13 @@ from typing import Any
 from ..core import Checkpoint
 from ..units import human_bytes
 from .costs import activation_bytes, evaluate_pipeline, evaluate_tensor, unit_cost
+from .devices import parse_devices
 from .model import load_model
 from .modelspec import ModelSpec
-from .pipeline import PipelineSolver
-from .result import Bottleneck, DeviceUsage, Plan, Shortfall
-from .spec import DEFAULT_LINK_GBPS, ELEMENT_BYTES, Device, PlanError, Workload, parse_device
+from .pipeline import PipelineSolver, Split
+from .quantize import smaller
+from .result import Bottleneck, DeviceUsage, Plan, QuantizedFit, Shortfall
+from .spec import DEFAULT_LINK_GBPS, ELEMENT_BYTES, Device, PlanError, Workload
 from .tensor import tensor_shares
 
 MiB = 1 << 20
@@ -32,8 +34,11 @@ def plan(source: str | Path | Checkpoint | Mapping[str, Any] | Any, devices: Seq
     """Place a model on uneven devices and predict memory, speed and the bottleneck.
 
     `source`: a checkpoint path or open Checkpoint (sizes from its tensors, config.json beside it for the
-    architecture), a folder or file with only config.json, a config dict or a transformers config object.
-    `devices`: Device objects or specs like "cuda:0=24GiB,tflops=165,bw=1000" in pipeline order.
+    architecture), a GGUF file (sizes and architecture from its header), a folder or file with only config.json,
+    a config dict, a transformers config object, or a ModelSpec (`planner.quantize.quantized(...)`).
+    `devices`: Device objects or specs like "cuda:0=24GiB,tflops=165,bw=1000", "rtx3090" or "auto" (see
+    `parse_device`) in pipeline order. When a device's speed is unknown ("cuda:0=24GiB"), layers are balanced
+    by memory and the plan predicts no times (`Plan.speed_known` False).
     `strategy`: "pipeline" (contiguous layer ranges) or "tensor" (every layer split across all devices;
     `uneven=True` for runtimes that accept splits proportional to device speed).
     `link`: GB/s between neighbouring devices where a device does not give its own link= (default 32).
@@ -48,7 +53,14 @@ def plan(source: str | Path | Checkpoint | Mapping[str, Any] | Any, devices: Seq
         raise PlanError(f"link bandwidth must be a positive number of GB/s, got {link}")
     links = [d.link or link or DEFAULT_LINK_GBPS for d in devs[:-1]]
     spec = load_model(source, workload.dtype)
-    notes = list(spec.notes)
+    notes = list(spec.notes) + [n for d in devs for n in d.notes]
+    speed_known = all(d.speed_known for d in devs)
+    if not speed_known:
+        unknown = ", ".join(d.name for d in devs if not d.speed_known)
+        notes.append(f"speed unknown for {unknown}: the plan places by memory alone (layers balanced by memory, "
+                     "uneven tensor splits by memory) and predicts no times; give tflops= and bw= or a model name "
+                     "(e.g. rtx3090) for a speed estimate")
+    solving = devs if speed_known else [replace(d, tflops=1.0, bandwidth=1.0) for d in devs]  # times unused
     if spec.arch.encoder:  # one forward pass is all it runs: the plan minimises that
         workload = replace(workload, optimize="prefill")
     if len(devs) > 1 and link is None and any(d.link is None for d in devs[:-1]):
@@ -91,42 +103,56 @@ def plan(source: str | Path | Checkpoint | Mapping[str, Any] | Any, devices: Seq
 
         def solver(w: Workload) -> PipelineSolver:
             if w not in solvers:
-                solvers[w] = PipelineSolver(spec, devs, w, links)
+                solvers[w] = PipelineSolver(spec, solving, w, links)
             return solvers[w]
+
+        def choose(m: Sequence[int]) -> Split | None:
+            return solver(workload).best(m) if speed_known else solver(workload).balanced(m)
 
         def fits(w: Workload, m: Sequence[int]) -> bool:
             return solver(w).feasible(m)
 
-        _require_some_fit(spec, devs, workload, fits, None)
-        split = solver(workload).best(memory)
+        quantized = partial(_quantized_fits, spec, solving, workload, links)
+        _require_some_fit(spec, devs, workload, fits, None, quantized)
+        split = choose(memory)
         if split is None:  # place it as close as it gets: the least memory added to every device
             extra = _least(lambda x: fits(workload, [m + x for m in memory]), _upper_bound(spec, devs, workload))
-            split = solver(workload).best([m + extra for m in memory])
+            split = choose([m + extra for m in memory])
             assert split is not None, "_least found memory with which a split fits"
         placement = solver(workload).placement(split)
         rows = evaluate_pipeline(spec, devs, workload, placement, links)
         mapping = {u.name: devs[d].name for u, d in zip(spec.units, placement)}
-    shortfall = None if all(r.fits for r in rows) else _shortfall(spec, devs, workload, rows, fits, evaluate)
+    shortfall = None
+    if not all(r.fits for r in rows):
+        shortfall = _shortfall(spec, devs, workload, rows, fits, evaluate)
+        if evaluate is None:  # a split that can change: what quantized weights would fit
+            shortfall = replace(shortfall, quantized=quantized())
     active = [r for r in rows if r.units or r.share]
     decode_stages = [r.decode_stage_s for r in active]
     chunks = workload.prefill_passes
     prefill_stages = [r.prefill_stage_s / chunks for r in active]  # per prefill chunk
-    if strategy == "pipeline":  # the first item passes every stage, the rest follow behind the slowest
+    decode_step: float | None
+    prefill_time: float | None
+    if not speed_known:
+        decode_step = prefill_time = None
+        bottleneck = _fullest(active, workload)
+    elif strategy == "pipeline":  # the first item passes every stage, the rest follow behind the slowest
         decode_step = sum(decode_stages)
         prefill_time = sum(prefill_stages) + (chunks - 1) * max(prefill_stages)
     else:  # tensor-parallel devices work on every layer together
         decode_step = max(decode_stages)
         prefill_time = chunks * max(prefill_stages)
+    if speed_known:
+        bottleneck = _bottleneck(active, workload, strategy, links, spec.arch.encoder)
     return Plan(strategy=strategy, model=spec, workload=workload, devices=rows, device_map=mapping,
-                decode_step_s=decode_step, prefill_time_s=prefill_time,
-                bottleneck=_bottleneck(active, workload, strategy, links, spec.arch.encoder), shortfall=shortfall,
-                links=tuple(links), notes=tuple(notes))
+                decode_step_s=decode_step, prefill_time_s=prefill_time, bottleneck=bottleneck, shortfall=shortfall,
+                links=tuple(links), notes=tuple(notes), speed_known=speed_known)
 
 
 def _devices(devices: Sequence[Device | str]) -> list[Device]:
     if isinstance(devices, (str, Device)):
         devices = [devices]
-    devs = [d if isinstance(d, Device) else parse_device(d) for d in devices]
+    devs = parse_devices(devices)
     if not devs:
         raise PlanError("no devices: give at least one, e.g. cuda:0=24GiB,tflops=165,bw=1000")
     names = [d.name for d in devs]
@@ -185,8 +211,10 @@ def _least(ok: Callable[[int], bool], high: int) -> int:
 
 
 def _require_some_fit(spec: ModelSpec, devices: list[Device], workload: Workload, fits: Fits,
-                      evaluate: Evaluate | None) -> None:
-    """Refuse a model that cannot fit at any context, even with the smallest cache."""
+                      evaluate: Evaluate | None,
+                      quantized: Callable[[], tuple[QuantizedFit, ...]] = tuple) -> None:
+    """Refuse a model that cannot fit at any context, even with the smallest cache (saying which quantized
+    weights would fit, where the split can change)."""
     least = replace(workload, context=1, cache_dtype=SMALLER_CACHES[-1], prefill_chunk=None)
     if fits(least, [d.memory for d in devices]):
         return
@@ -197,7 +225,24 @@ def _require_some_fit(spec: ModelSpec, devices: list[Device], workload: Workload
                     f"take {human_bytes(spec.nbytes)} in {spec.dtype} and the devices offer {human_bytes(usable)} "
                     f"after reserves{split}; it needs at least "
                     + " and ".join(f"{human_bytes(n)} more on {name}" for name, n in more.items())
-                    + ", more devices, or smaller weights")
+                    + ", more devices, or smaller weights"
+                    + "".join(f"; quantized, {fit}" for fit in quantized()))
+
+
+def _quantized_fits(spec: ModelSpec, devices: list[Device], workload: Workload,
+                    links: Sequence[float]) -> tuple[QuantizedFit, ...]:
+    """The largest llama.cpp quantization of the weights that fits on the devices, and the largest that fits
+    on one device alone when that is another (`devices` of known speed: the solver's)."""
+    across = None
+    for preset, model in smaller(spec):
+        if across is None and PipelineSolver(model, devices, workload, links).feasible([d.memory for d in devices]):
+            across = QuantizedFit(preset.name, model.nbytes)
+        alone = next((d for d in devices if PipelineSolver(model, [d], workload, []).feasible([d.memory])), None)
+        if alone is not None:
+            fit = QuantizedFit(preset.name, model.nbytes, alone.name)
+            return (fit,) if across is not None and across.preset == fit.preset else \
+                tuple(f for f in (across, fit) if f is not None)
+    return (across,) if across is not None else ()
 
 
 def _more_memory(spec: ModelSpec, devices: list[Device], workload: Workload, fits: Fits,
@@ -230,13 +275,21 @@ def _shortfall(spec: ModelSpec, devices: list[Device], workload: Workload, rows:
             middle = (low + high) // 2
             low, high = (middle, high) if fits(replace(workload, context=middle), memory) else (low, middle)
         max_context = low
-    current = ELEMENT_BYTES[workload.cache_dtype or spec.act_dtype]
+    current = ELEMENT_BYTES[workload.cache_dtype or spec.default_cache]
     cache = next((c for c in SMALLER_CACHES if ELEMENT_BYTES[c] < current
                   and fits(replace(workload, cache_dtype=c), memory)), None)
     chunk = next((c for c in PREFILL_CHUNKS if c < min(workload.context, workload.prefill_chunk or workload.context)
                   and fits(replace(workload, prefill_chunk=c), memory)), None)
     return Shortfall(over=over, max_context=max_context, cache_dtype=cache, prefill_chunk=chunk,
                      more_memory=_more_memory(spec, devices, workload, fits, evaluate))
+
+
+def _fullest(active: Sequence[DeviceUsage], workload: Workload) -> Bottleneck:
+    """With speeds unknown, no stage time can be told: name the fullest device instead."""
+    row = max(active, key=lambda r: r.used / r.device.memory)
+    return Bottleneck(row.name, "decode" if workload.optimize == "decode" else "prefill", None, "unknown",
+                      f"speed unknown: placed by memory alone; the fullest device is {row.name} at "
+                      f"{row.used / row.device.memory:.0%} of its {human_bytes(row.device.memory)}")
 
 
 def _bottleneck(active: Sequence[DeviceUsage], workload: Workload, strategy: str, links: Sequence[float],
@@ -247,6 +300,8 @@ def _bottleneck(active: Sequence[DeviceUsage], workload: Workload, strategy: str
                                                                                  worst.prefill_handoff_s)
     nbytes, flops = (worst.decode_bytes, worst.decode_flops) if decode else (worst.prefill_bytes, worst.prefill_flops)
     device = worst.device
+    assert device.bandwidth is not None and device.tflops is not None, "a plan with a device of unknown speed " \
+        "has no time-based bottleneck"
     per = "per decode step" if decode else \
         f"to {'encode' if encoder else 'prefill'} {workload.batch}×{workload.context:,} tokens"
     if len(active) == 1:

@@ -1,10 +1,10 @@
 """What the planner is told: devices (memory, speed, reserve, link) and the workload.
 
-A device is written as `NAME=MEMORY,tflops=T,bw=B[,reserve=R][,link=L]`, e.g.
-`cuda:0=24GiB,tflops=165,bw=1000`: memory with a unit (GiB/MiB binary, GB/MB
-decimal), compute in TFLOP/s, memory bandwidth in GB/s, the runtime's reserve
-(default 1 GiB on a GPU for the CUDA context, 0 on the CPU) and the bandwidth in
-GB/s of the link to the next device in the list.
+A device is written as `NAME=MEMORY[,tflops=T,bw=B][,reserve=R][,link=L]` or by its model's name
+(`rtx3090`, `cuda:1=rtx 4060 ti 16gb`): see `devices.parse_device`. Memory with a unit (GiB/MiB
+binary, GB/MB decimal), compute in TFLOP/s, memory bandwidth in GB/s, the runtime's reserve (default
+1 GiB on a GPU for the CUDA context, 0 on the host) and the bandwidth in GB/s of the link to the next
+device in the list. A device without tflops and bw has an unknown speed: the plan balances by memory.
 """
 
 from __future__ import annotations
@@ -12,34 +12,46 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import CheckpointError
+from ..formats.gguf import GGML_TYPES
 from ..units import human_bytes, parse_size
 
 GiB = 1 << 30
 DEFAULT_GPU_RESERVE = GiB
 DEFAULT_LINK_GBPS = 32.0  # PCIe 4.0 x16, the common case in a home server
+# the host tier (`cpu=64GiB`) when its speed is not given: two channels of DDR4-3200 peak at 51.2 GB/s, and
+# desktop DDR5 reaches 60-80 GB/s in practice; a desktop CPU's bf16 matmuls run at about a TFLOP/s
+DEFAULT_HOST_BANDWIDTH_GBPS = 50.0
+DEFAULT_HOST_TFLOPS = 1.0
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(:\d+)?$")
 _HOST_DEVICES = ("cpu", "disk", "meta")  # no CUDA context to reserve room for
-_TORCH_DEVICE = re.compile(r"^(cpu|mps|disk|meta|(cuda|xpu|npu|hpu|mlu|musa)(:\d+)?)$")
+HOST_TIER = "cpu"  # the system-RAM tier: given the host speed above when its own is not given
+TORCH_DEVICE = re.compile(r"^(cpu|mps|disk|meta|(cuda|xpu|npu|hpu|mlu|musa)(:\d+)?)$")
 
+# llama.cpp's KV cache types (-ctk / -ctv), sized from ggml's block table like the weights
+GGML_CACHE_TYPES = ("q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 # bytes per element, by the names users type; fractional for llama.cpp's block-quantised cache types
 ELEMENT_BYTES: dict[str, float] = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1,
-                                   "q8_0": 34 / 32, "q4_0": 18 / 32}
+                                   **{name.lower(): size / block for name, block, size in GGML_TYPES.values()
+                                      if name.lower() in GGML_CACHE_TYPES}}
 DTYPE_ALIASES = {"f32": "fp32", "float32": "fp32", "float": "fp32", "f16": "fp16", "float16": "fp16",
                  "half": "fp16", "bfloat16": "bf16", "f8": "fp8", "float8": "fp8", "f8_e4m3": "fp8",
-                 "float8_e4m3fn": "fp8", "f64": "fp64", "float64": "fp64", "q8": "q8_0", "q4": "q4_0"}
+                 "float8_e4m3fn": "fp8", "f64": "fp64", "float64": "fp64", "q8": "q8_0", "q4": "q4_0",
+                 "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "f8_e5m2": "fp8", "float8_e5m2": "fp8"}  # vLLM's fp8 names
 WEIGHT_DTYPES = ("fp64", "fp32", "fp16", "bf16", "fp8")  # what Plan.load can cast floating tensors to
 STORED_DTYPES = {"F64": "fp64", "F32": "fp32", "F16": "fp16", "BF16": "bf16", "F8_E4M3": "fp8", "F8_E5M2": "fp8"}
+# a GGUF tensor's ggml type -> bytes per element (block bytes / values per block), exactly as stored
+GGML_ELEMENT_BYTES: dict[str, float] = {name: size / block for name, block, size in GGML_TYPES.values()}
 
 
 class PlanError(CheckpointError):
     """A device spec, workload or model the planner cannot work with; the message names the problem."""
 
 
-def _size(text: str, what: str) -> int:
+def size_of(text: str, what: str) -> int:
     """A size in a device spec. A unit is required: a bare '24' is ambiguous. A negative size is read, so that
     the checks after it can say why it is wrong."""
     try:
@@ -59,14 +71,19 @@ def dtype_name(text: str, *, what: str, allowed: tuple[str, ...] = tuple(ELEMENT
 
 @dataclass(frozen=True)
 class Device:
-    """One device: memory in bytes, compute in TFLOP/s, memory bandwidth and link to the next device in GB/s."""
+    """One device: memory in bytes, compute in TFLOP/s, memory bandwidth and link to the next device in GB/s.
+
+    `tflops` and `bandwidth` None: the speed is unknown (the plan balances by memory and predicts no times).
+    `product` names the model from the device table; `notes` say where assumed figures came from."""
 
     name: str
     memory: int
-    tflops: float
-    bandwidth: float
+    tflops: float | None = None
+    bandwidth: float | None = None
     reserve: int | None = None  # None: 1 GiB on a GPU, 0 on the host
     link: float | None = None  # GB/s to the next device in the list; None: the plan's default link
+    product: str | None = field(default=None, compare=False)
+    notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -83,18 +100,31 @@ class Device:
                             f"its {human_bytes(self.memory)} of memory")
 
     @property
+    def speed_known(self) -> bool:
+        return self.tflops is not None and self.bandwidth is not None
+
+    @property
+    def is_host(self) -> bool:
+        """System memory rather than an accelerator's: no CUDA context, and filled only when the others are full."""
+        return self.name.split(":")[0] in _HOST_DEVICES
+
+    @property
     def reserve_bytes(self) -> int:
         if self.reserve is not None:
             return self.reserve
-        return 0 if self.name.split(":")[0] in _HOST_DEVICES else DEFAULT_GPU_RESERVE
+        return 0 if self.is_host else DEFAULT_GPU_RESERVE
 
     @property
     def is_torch_device(self) -> bool:
         """Whether the name is one torch and accelerate understand as it stands (cuda:0, cpu, mps...)."""
-        return bool(_TORCH_DEVICE.match(self.name))
+        return bool(TORCH_DEVICE.match(self.name))
 
     def __str__(self) -> str:
-        text = f"{self.name}={self.memory}B,tflops={self.tflops!r},bw={self.bandwidth!r}"
+        text = f"{self.name}={self.memory}B"
+        if self.tflops is not None:
+            text += f",tflops={self.tflops!r}"
+        if self.bandwidth is not None:
+            text += f",bw={self.bandwidth!r}"
         if self.reserve is not None:
             text += f",reserve={self.reserve}B"
         if self.link is not None:
@@ -114,51 +144,13 @@ def accelerate_device(device: Device, devices: Mapping[str, int | str] | None) -
                     f"to_accelerate({{'{device.name}': 0}})")
 
 
-def parse_device(spec: str) -> Device:
-    """Parse `NAME=MEMORY,tflops=T,bw=B[,reserve=R][,link=L]` (e.g. `cuda:0=24GiB,tflops=165,bw=1000`)."""
-    name, sep, rest = spec.strip().partition("=")
-    name = name.strip()
-    if not sep or not name:
-        raise PlanError(f"device {spec!r}: expected NAME=MEMORY,tflops=T,bw=B, e.g. cuda:0=24GiB,tflops=165,bw=1000")
-    memory_text, *options = [part.strip() for part in rest.split(",")]
-    fields: dict[str, str] = {}
-    for option in options:
-        key, eq, value = option.partition("=")
-        key = key.strip().lower()
-        if not eq or key not in ("tflops", "bw", "reserve", "link"):
-            raise PlanError(f"device {name}: unknown option {option!r}; known: tflops=, bw=, reserve=, link=")
-        if key in fields:
-            raise PlanError(f"device {name}: {key}= given twice")
-        fields[key] = value.strip()
-    missing = [k for k in ("tflops", "bw") if k not in fields]
-    if missing:
-        meaning = {"tflops": "tflops= (compute, TFLOP/s)", "bw": "bw= (memory bandwidth, GB/s)"}
-        raise PlanError(f"device {name}: missing {' and '.join(meaning[k] for k in missing)}, "
-                        f"e.g. {name}=24GiB,tflops=165,bw=1000")
-    memory = _size(memory_text, f"device {name} memory")
-    if memory <= 0:
-        raise PlanError(f"device {name}: memory must be positive, got {memory_text}")
-    return Device(name=name, memory=memory,
-                  tflops=_number(fields["tflops"], name, "tflops"), bandwidth=_number(fields["bw"], name, "bw"),
-                  reserve=_size(fields["reserve"], f"device {name} reserve") if "reserve" in fields else None,
-                  link=_number(fields["link"], name, "link") if "link" in fields else None)
-
-
-def _number(text: str, device: str, key: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise PlanError(f"device {device}: {key}={text!r} is not a number") from None
-    if not (math.isfinite(value) and value > 0):
-        raise PlanError(f"device {device}: {key} must be a positive number, got {text}")
-    return value
-
-
 @dataclass(frozen=True)
 class Workload:
     """What runs: `batch` sequences of `context` tokens, weights in `dtype`, the KV cache in `cache_dtype`.
 
-    `dtype` None keeps the stored (or config) dtype; `cache_dtype` None follows the activations' dtype.
+    `dtype` None keeps the stored (or config) dtype; `cache_dtype` None is the model's default: the
+    activations' dtype, or f16 for a GGUF model (llama.cpp's default). Cache types: fp32, bf16, fp16, fp8
+    (vLLM's, also spelled fp8_e4m3 / fp8_e5m2) and llama.cpp's q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl.
     `prefill_chunk` caps the tokens per prefill pass (llama.cpp's ubatch, vLLM's chunked prefill); None
     prefills the whole context at once. `optimize` is the phase whose slowest stage the plan minimises.
     """

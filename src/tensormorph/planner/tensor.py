@@ -43,7 +43,10 @@ def tensor_shares(spec: ModelSpec, devices: Sequence[Device], workload: Workload
         raise PlanError("tensor parallelism splits attention heads: put config.json (num_attention_heads, "
                         "num_key_value_heads) beside the checkpoint", file=str(spec.path) if spec.path else None)
     notes: list[str] = []
-    speed = [d.bandwidth if workload.optimize == "decode" else d.tflops for d in devices]
+    if all(d.speed_known for d in devices):
+        speed = [float((d.bandwidth if workload.optimize == "decode" else d.tflops) or 0) for d in devices]
+    else:  # llama.cpp's default --tensor-split: by each device's free memory
+        speed = [float(d.memory - d.reserve_bytes) for d in devices]
     group = a.heads // a.kv_heads
     if uneven and a.kv_heads >= n:
         kv = _proportional(a.kv_heads, speed)
