@@ -8,7 +8,8 @@ simultaneous requests. Exact tiles are cached and tiles compressed (tile_cache.p
 The viewer remembers each tensor's statistics (the scale every tile of it shares)
 and where its NaN and Inf are (flagged in approximate tiles too). Long work
 (search, verify) streams from server_streams.py; parameters parse in
-server_request.py. A folder holding only config.json opens for the Plan page.
+server_request.py. A folder holding only config.json opens for the Plan page. A training run's steps and
+their tiers are listed and opened by server_run.py.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from .server_request import (
     view_of,
     viewed,
 )
+from .server_run import RUN_ROUTES, RunView
 from .server_streams import STREAM_ROUTES
 from .storage import is_url, store_at
 from .tile_cache import DISK_CACHE_BYTES, TileCache, compress, negotiate
@@ -65,7 +67,7 @@ ESTIMATED_READ_RATE = 1e9  # bytes/s, for the cost shown before a full read
 CONFIG_KEYS = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
                "num_key_value_heads", "intermediate_size", "vocab_size", "torch_dtype")
 # the routes that only look up metadata: every other /api route counts as heavy for the guard
-LIGHT_ROUTES = re.compile(r"/api/(openapi\.json|checkpoints|checkpoints/[^/]+/tensor)")
+LIGHT_ROUTES = re.compile(r"/api/(openapi\.json|checkpoints|checkpoints/[^/]+/tensor|run)")
 NONFINITE_SCAN_BYTES = 16 * 1024**2  # a tensor this small is scanned for NaN/Inf on its first tile (~5 ms warm)
 NONFINITE_CACHE_BYTES = 64 * 1024**2  # non-finite positions kept for approximate tiles, all tensors together
 STATS_KEPT = 4096  # statistics kept per viewer (a few hundred bytes each), for the tiles' shared scale
@@ -428,6 +430,8 @@ OPENAPI: dict[str, Any] = {
                                                                "optimize", "link"]),
         **{path: _operation(endpoint.__doc__ or "", parameters, stream=True)
            for path, endpoint, parameters in STREAM_ROUTES},
+        **{path: {method.lower(): _operation(endpoint.__doc__ or "", parameters)["get"]}
+           for path, endpoint, method, parameters in RUN_ROUTES},
     },
 }
 
@@ -440,10 +444,11 @@ def _api_error(request: Request, exc: Exception) -> JSONResponse:
 
 def create_app(paths: list[str | Path], *, host: str = "127.0.0.1", token: str | None = None,
                rename: list[str] | None = None, cache_dir: Path | None = None, cache_bytes: int = DISK_CACHE_BYTES,
-               read_budget: int = DEFAULT_READ_BUDGET) -> Starlette:
-    """The viewer app for one or two checkpoints, to serve on `host`. Requests must name the viewer in their Host
-    header (server_guard.py); `token`, required when `host` is not loopback, guards every route; statistics of a
-    tensor above `read_budget` bytes need confirm=1; exact tiles are cached in `cache_dir`, up to `cache_bytes`."""
+               read_budget: int = DEFAULT_READ_BUDGET, run: RunView | None = None) -> Starlette:
+    """The viewer app for one or two checkpoints, to serve on `host` (with `run`: its newest checkpoint, and its steps
+    listed and opened by server_run.py). Requests must name the viewer in their Host header (server_guard.py);
+    `token`, required when `host` is not loopback, guards every route; statistics of a tensor above `read_budget`
+    bytes need confirm=1; exact tiles are cached in `cache_dir`, up to `cache_bytes`."""
     if token is None and not is_loopback(host):
         raise ValueError(f"a viewer served on {host!r}, beyond this machine, needs a token")
     viewer = Viewer(list(paths), rename=rename, cache_dir=cache_dir, cache_bytes=cache_bytes,
@@ -459,19 +464,21 @@ def create_app(paths: list[str | Path], *, host: str = "127.0.0.1", token: str |
         Route("/api/diff/tile", diff_tile),
         Route("/api/plan", plan_endpoint),
         *(Route(path, endpoint) for path, endpoint, _ in STREAM_ROUTES),
+        *(Route(path, endpoint, methods=[method]) for path, endpoint, method, _ in RUN_ROUTES),
         Mount("/", StaticFiles(directory=WEB, html=True), name="page"),
     ]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
-        viewer.close()
+        app.state.viewer.close()  # the viewer serving now: server_run may have replaced the first
 
     guard = Middleware(Guard, host=host, token=token, heavy=_heavy)
     app = Starlette(routes=routes, middleware=[guard], exception_handlers={ApiError: _api_error,
                                                                            CheckpointError: _api_error},
                     lifespan=lifespan)
-    app.state.viewer = viewer
+    app.state.viewer = viewer  # server_run replaces it when a step of the run is opened as b
+    app.state.run = run
     return app
 
 

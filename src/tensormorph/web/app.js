@@ -15,6 +15,7 @@ import { Heatmap } from './heatmap.js';
 import { Inspector } from './inspector.js';
 import { Panes } from './layout.js';
 import { formatRoute, parseRoute, showCommand } from './route.js';
+import { RunPanel } from './run.js';
 import { copyText } from './share.js';
 import { diffSource, localShape, tensorSource } from './sources.js';
 import { TreeView } from './tree.js';
@@ -46,6 +47,7 @@ let inspector;
 let diffView = null;
 let finder;
 let panes;
+let runPanel;
 let tensorRequest = 0;
 const savedSettings = { tensor: null, diff: null };
 
@@ -347,6 +349,24 @@ function showDiffTensor(rec, { view = null } = {}) {
   writeRoute({ push: true });
 }
 
+// ---------------------------------------------------------------- training run
+
+/** A step of the run was opened (run.js) as A or B: show it, with the tensor in view when it has one too. */
+async function stepOpened({ id }) {
+  leaveEntry();
+  const keep = state.active !== 'diff' && state.selection
+    ? { name: state.selection.name, rank: state.rank, view: heatmap.source ? heatmap.viewState() : null } : null;
+  const before = (state.checkpoints.find((c) => c.id === id) || {}).path;
+  state.checkpoints = await getJSON('/api/checkpoints');
+  if (state.checkpoints.find((c) => c.id === id).path !== before) {  // B now serves another step: forget the old
+    delete state.summaries[id];
+    state.diff = null;
+  }
+  runPanel.setServed(state.checkpoints);
+  await activate(id);
+  if (keep && state.summaries[id].tensors.some((t) => t.name === keep.name)) await selectTensor(keep.name, keep);
+}
+
 // ---------------------------------------------------------------- keyboard
 
 function onKey(e) {
@@ -448,6 +468,9 @@ async function boot() {
     location.replace(planPage(state.checkpoints[0].id));
     return;
   }
+  runPanel = new RunPanel($('run-panel'), { onOpened: stepOpened });
+  runPanel.setServed(state.checkpoints);
+  await runPanel.load();
   updateShareTitles();
   await applyRoute();
   document.body.dataset.ready = '1';
@@ -455,6 +478,8 @@ async function boot() {
 }
 
 Object.defineProperty(state, 'heatmap', { enumerable: true, get: () => (heatmap ? heatmap.snapshot() : null) });
+// the training run's listing (/api/run) when the viewer serves one
+Object.defineProperty(state, 'run', { enumerable: true, get: () => (runPanel ? runPanel.listing : null) });
 
 window.tensormorph = {
   state,
