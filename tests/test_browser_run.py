@@ -12,16 +12,13 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 from playwright.sync_api import expect
 from test_browser import EXACT_TILE, TIMEOUT, canvas_size, hover, screenshot
 from test_browser_view import open_page
-from test_viewer_run import train
-from torch import nn
+from test_viewer_run import live_run, train
 
 from tensormorph.server import create_app
 from tensormorph.server_run import RunView
-from tensormorph.train import Checkpointer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -105,25 +102,16 @@ def test_run_panel_lists_the_steps_and_opens_an_older_one(browser, run_url):
 
 
 def test_a_live_run_panel_lists_new_steps_by_itself(browser, serve, tmp_path):
-    torch.manual_seed(0)
-    model = nn.Linear(2, 2)
-    ckpt = Checkpointer(tmp_path / "run", memory_every=1, disk_every=2, memory_dir=tmp_path / "shm")
-    try:
-        ckpt.save(2, model=model)
-        ckpt.wait()
-        view = RunView(tmp_path / "run", str(tmp_path / "shm"))
+    with live_run(tmp_path) as (view, save):
         page, errors = open_page(browser, serve(create_app([view.newest()], run=view, cache_dir=tmp_path)) + "/")
         try:
             expect(page.get_by_test_id("run-alive")).to_have_text("live")
             rows = page.get_by_test_id("run-step")
             expect(rows).to_have_count(1)
-            ckpt.save(3, model=model)
-            ckpt.wait()
+            save(3)
             expect(rows).to_have_count(2, timeout=TIMEOUT)  # the panel asks again while the run is alive
             expect(rows.first).to_have_attribute("data-step", "3")
             expect(rows.first).to_have_attribute("data-tiers", "memory")
         finally:
             page.context.close()
-    finally:
-        ckpt.close()
     assert not errors

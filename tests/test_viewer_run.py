@@ -8,7 +8,9 @@ second) and served through Starlette's TestClient; the object store is moto's S3
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -169,21 +171,30 @@ def test_view_serves_a_run_root_with_its_memory_folder(run, monkeypatch):
         assert client.get("/api/checkpoints").json()[0]["path"] == str(root.absolute() / "step-00000006")
 
 
-def test_a_live_run_is_listed_afresh_on_each_request(tmp_path):
+@contextlib.contextmanager
+def live_run(tmp_path) -> Iterator[tuple[RunView, Callable[[int], None]]]:
+    """A run whose Checkpointer lives (step 2 on disk and in memory): its RunView, and a function that saves a
+    further step."""
     torch.manual_seed(0)
     model = nn.Linear(2, 2)
     ckpt = Checkpointer(tmp_path / "run", memory_every=1, disk_every=2, memory_dir=tmp_path / "shm")
-    try:
-        ckpt.save(2, model=model)
+
+    def save(step: int) -> None:
+        ckpt.save(step, model=model)
         ckpt.wait()
-        view = RunView(tmp_path / "run", str(tmp_path / "shm"))
-        with TestClient(create_app([view.newest()], run=view)) as client:
-            first = client.get("/api/run").json()
-            ckpt.save(3, model=model)
-            ckpt.wait()
-            second = client.get("/api/run").json()
+
+    try:
+        save(2)
+        yield RunView(tmp_path / "run", str(tmp_path / "shm")), save
     finally:
         ckpt.close()
+
+
+def test_a_live_run_is_listed_afresh_on_each_request(tmp_path):
+    with live_run(tmp_path) as (view, save), TestClient(create_app([view.newest()], run=view)) as client:
+        first = client.get("/api/run").json()
+        save(3)
+        second = client.get("/api/run").json()
     assert first["alive"] and second["alive"]  # the Checkpointer holds its snapshots
     assert [s["step"] for s in first["steps"]] == [2] and [s["step"] for s in second["steps"]] == [2, 3]
 
