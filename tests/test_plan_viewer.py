@@ -142,3 +142,21 @@ def test_the_viewer_links_to_the_plan_page(browser, base_url):
     assert page.url.endswith("/plan.html")
     expect(page.get_by_test_id("plan-device")).to_have_count(2)  # the form's two example cards
     context.close()
+
+
+def test_devices_of_unknown_speed_show_no_rates_and_say_so(page, checkpoint, devices):
+    by_memory = [",".join(p for p in spec.split(",") if not p.startswith(("tflops=", "bw="))) for spec in devices]
+    state = plan_in_page(page, by_memory, CONTEXT)
+    expected = tm.plan(checkpoint, by_memory, Workload(context=CONTEXT), link=32)
+    assert not expected.speed_known and state["plan"] == json.loads(json.dumps(expected.to_dict()))
+    speeds = page.get_by_test_id("plan-speed")
+    expect(speeds).to_have_count(2)
+    expect(speeds).to_have_text([" · speed unknown", " · speed unknown"])
+    expect(page.get_by_test_id("plan-rate")).to_have_text(re.compile(r"^Speed unknown: a device was given by its "
+                                                                     r"memory alone"))
+    assert "tok/s" not in page.locator("#plan-bars").inner_text() + page.locator("#plan-overall").inner_text()
+    assert "–" not in page.locator("#plan-bars").inner_text()
+    expect(page.get_by_test_id("plan-bottleneck")).to_have_text(
+        "Placed by memory alone: " + expected.bottleneck.reason.split("; ", 1)[1])
+    state = plan_in_page(page, devices, CONTEXT)  # speeds again: the rates come back
+    expect(page.get_by_test_id("plan-speed").first).to_contain_text("tok/s")

@@ -139,7 +139,9 @@ def test_the_host_tier_takes_only_what_the_gpus_cannot_hold():
     p = tm.plan(LLAMA3_8B, small, Workload(context=4096))
     assert p.fits
     gpu_layers = len(p.devices[0].layers) + len(p.devices[1].layers)
-    assert p.devices[2].layers == tuple(range(gpu_layers, 32)) and p.devices[2].layers
+    # the embedding first, then the first layers (llama.cpp's -ngl keeps the last ones on the GPUs)
+    assert p.devices[2].layers == tuple(range(32 - gpu_layers)) and p.devices[2].layers
+    assert p.devices[2].units[0] == "model.embed_tokens" and p.device_map["lm_head"] != "cpu"
     assert all(r.used <= r.device.memory for r in p.devices)
     roomy = tm.plan(LLAMA3_8B, ["cuda:0=24GiB", "cuda:1=12GiB", "cpu=64GiB"], Workload(context=4096))
     assert roomy.devices[2].units == () and roomy.devices[2].used == 0
@@ -153,6 +155,10 @@ def test_the_host_tier_has_its_own_assumed_speed_unless_given():
                          f"{DEFAULT_HOST_TFLOPS:g} TFLOP/s (give bw= and tflops=)",)
     given = parse_device("cpu=64GiB,tflops=2,bw=80")
     assert (given.tflops, given.bandwidth, given.notes) == (2.0, 80.0, ())
+    half = parse_device("cpu=64GiB,bw=80")  # the host's other figure is assumed, not refused
+    assert (half.tflops, half.bandwidth, half.notes) == (DEFAULT_HOST_TFLOPS, 80.0, (
+        f"cpu: host compute assumed, {DEFAULT_HOST_TFLOPS:g} TFLOP/s (give tflops=)",))
+    assert parse_device("cpu=64GiB,tflops=3").bandwidth == DEFAULT_HOST_BANDWIDTH_GBPS
 
 
 def test_the_cli_says_speed_is_unknown_and_shows_no_rates(tmp_path):

@@ -63,8 +63,10 @@ def model_tensors(*, experts: int = 0, tied: bool = False) -> list[tuple[str, tu
 
 def write_model(path: Path, *, arch: str = "llama", block_count: int | str = LAYERS, heads: int | None = HEADS,
                 kv_heads: int = KV_HEADS, experts: int = 0, tied: bool = False,
-                extra: list[tuple[str, tuple[int, ...], GGMLQuantizationType]] = ()) -> Path:
-    writer = gguf.GGUFWriter(path, arch)
+                extra: list[tuple[str, tuple[int, ...], GGMLQuantizationType]] = (), split: int = 0) -> Path:
+    """A tiny model; with `split`, a split set of files holding at most `split` tensors each (the first is
+    returned), as llama-gguf-split writes them."""
+    writer = gguf.GGUFWriter(path, arch, split_max_tensors=split)
     writer.add_name("tiny-llama")
     if isinstance(block_count, str):  # forged: a string where llama.cpp reads a u32
         writer.add_string(f"{arch}.block_count", block_count)
@@ -87,6 +89,8 @@ def write_model(path: Path, *, arch: str = "llama", block_count: int | str = LAY
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if split:
+        return next(iter(sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))))
     return path
 
 

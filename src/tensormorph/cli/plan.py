@@ -10,8 +10,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..planner import DeviceUsage, Plan, Workload, plan
+from ..planner.result import number_ranges
 from ..units import human_bytes
 from .output import CheckpointPath, console, fails_cleanly, print_json
+
+EMITTERS = ("llama.cpp", "vllm", "accelerate")
 
 
 @click.command("plan")
@@ -32,22 +35,42 @@ from .output import CheckpointPath, console, fails_cleanly, print_json
               help="The phase to make fastest.")
 @click.option("--uneven", is_flag=True, help="Tensor parallel: split by device speed (runtimes that allow it).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.option("--emit", type=click.Choice(EMITTERS), help="Print the runtime's settings for the plan instead: "
+              "llama-server's flags, vLLM's engine arguments, or accelerate's device_map and max_memory (JSON).")
 @fails_cleanly
 def plan_command(source: str, devices: tuple[str, ...], link: float | None, context: int, batch: int, strategy: str,
                  dtype: str | None, cache_dtype: str | None, prefill_chunk: int | None, optimize: str, uneven: bool,
-                 as_json: bool) -> None:
+                 as_json: bool, emit: str | None) -> None:
     """Place a model (a checkpoint, a GGUF file, or a config.json) on uneven devices: memory per device
     (weights, KV cache, activations, reserve), predicted speed per stage, and the bottleneck (exit 0 fits,
     1 does not fit, 2 error)."""
     workload = Workload(context=context, batch=batch, dtype=dtype, cache_dtype=cache_dtype,
                         prefill_chunk=prefill_chunk, optimize=optimize)
     result = plan(source, list(devices), workload, strategy, link=link, uneven=uneven)
-    if as_json:
+    if emit is not None:
+        _emit(result, emit, as_json)
+    elif as_json:
         print_json(result.to_dict())
     else:
         for line in render(result):
             console.print(line, highlight=False)
     sys.exit(0 if result.fits else 1)
+
+
+def _emit(p: Plan, runtime: str, as_json: bool) -> None:
+    """The runtime's settings: a shell line with its notes as comments (JSON with --json); accelerate's as JSON."""
+    if runtime == "accelerate":
+        print_json(p.accelerate_settings())
+        return
+    command = p.to_llama_cpp() if runtime == "llama.cpp" else p.to_vllm()
+    if as_json:
+        print_json(command.to_dict())
+        return
+    click.echo(str(command))
+    for note in command.notes:
+        click.echo(f"# {note}")
+    if not p.fits:
+        click.echo(f"# the plan does not fit: {', '.join(p.shortfall.suggestions()) if p.shortfall else ''}")
 
 
 def render(p: Plan) -> list[Any]:
@@ -99,7 +122,8 @@ def _overall(p: Plan) -> list[str]:
                                  f"({p.decode_step_s * 1e3:,.2f} ms per step), ")
     return [f"overall: {decode}{'encode' if encoder else 'prefill'} [bold]{p.prefill_tokens_per_s:,.0f} "
             f"tok/s[/bold] ({p.prefill_time_s:,.2f} s for {w.batch}×{w.context:,} tokens)"
-            + (f"; links {links} GB/s" if p.links else ""),
+            + (f"; links {links} GB/s" if p.links else "")
+            + (f"; host link {p.host_link:g} GB/s" if p.host_link else ""),
             f"bottleneck ({p.bottleneck.limit}): {escape(p.bottleneck.reason)}"]
 
 
@@ -110,6 +134,8 @@ def _holds(row: DeviceUsage) -> str:
     text = row.layer_ranges
     if extras:
         text += (" + " if text else "") + ", ".join(u.rsplit(".", 1)[-1] for u in extras)
+    if row.expert_layers:
+        text += (" + " if text else "") + f"experts of {number_ranges(row.expert_layers)}"
     return text or "—"
 
 

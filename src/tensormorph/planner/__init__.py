@@ -6,6 +6,8 @@
     p.fits, p.bottleneck.reason, p.to_accelerate()
     tm.plan("model-Q4_K_M.gguf", ["rtx3090", "rtx 4060 ti 16gb", "cpu=64GiB"])   # devices by name, GGUF
     tm.plan("Llama-3-8B", ["cuda:0=24GiB", "cuda:1=12GiB"])     # speeds unknown: by memory, no times
+    p = tm.plan("Mixtral-8x7B", ["rtx3090", "cpu=128GiB"])     # what the GPU cannot hold: experts to RAM first
+    p.to_llama_cpp().args, str(p.to_vllm()), p.accelerate_settings()   # the runtimes' own settings
     p.load("Llama-3-8B")                       # each tensor straight to its device (torch)
     tm.plan.resident(model)                    # bytes a loaded model holds per device (torch)
 
@@ -15,6 +17,7 @@ Planning reads only metadata and needs numpy alone; `Plan.load` and `resident` i
 from __future__ import annotations
 
 from .devices import local_devices, parse_device, parse_devices
+from .export import RuntimeCommand
 from .result import Bottleneck, DeviceUsage, Plan, Shortfall
 from .runtime import resident
 from .solve import plan
@@ -22,5 +25,5 @@ from .spec import Device, PlanError, Workload
 
 plan.resident = resident  # type: ignore[attr-defined]  # tensormorph.plan.resident(model)
 
-__all__ = ["Bottleneck", "Device", "DeviceUsage", "Plan", "PlanError", "Shortfall", "Workload", "local_devices",
-           "parse_device", "parse_devices", "plan", "resident"]
+__all__ = ["Bottleneck", "Device", "DeviceUsage", "Plan", "PlanError", "RuntimeCommand", "Shortfall", "Workload",
+           "local_devices", "parse_device", "parse_devices", "plan", "resident"]

@@ -135,6 +135,8 @@ def unit_cost(unit: Unit, spec: ModelSpec, workload: Workload, share: Share = FU
         # (gate, up and their product); one layer runs at a time, so this is the peak
         width = max(2 * a.hidden + 2 * round(q) + 2 * round(a.kv_dim * share.kv),
                     2 * a.hidden + 3 * round(a.ffn * share.mlp))
+    elif unit.kind == "experts":  # a layer's routed experts run apart (on the host): the MLP's activations
+        width = 2 * a.hidden + 3 * round(a.ffn * share.mlp)
     return UnitCost(weights=math.ceil(weights), kv=kv, decode_bytes=decode_bytes, decode_flops=decode_flops,
                     prefill_bytes=prefill_bytes, prefill_flops=prefill_flops, width=width, logits=logits)
 

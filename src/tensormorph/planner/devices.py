@@ -79,7 +79,7 @@ def parse_device(spec: str, *, gpu_name: str = "cuda:0") -> Device:
     memory = size_of(memory_text, f"device {label} memory") if memory_text is not None else None
     if memory is not None and memory <= 0:
         raise PlanError(f"device {label}: memory must be positive, got {memory_text}")
-    if ("tflops" in fields) != ("bw" in fields) and model is None:
+    if ("tflops" in fields) != ("bw" in fields) and model is None and name != HOST_TIER:
         meaning = {"tflops": "tflops= (compute, TFLOP/s)", "bw": "bw= (memory bandwidth, GB/s)"}
         missing = "bw" if "tflops" in fields else "tflops"
         raise PlanError(f"device {label}: missing {meaning[missing]}, e.g. {label}=24GiB,tflops=165,bw=1000 "
@@ -107,6 +107,13 @@ def parse_device(spec: str, *, gpu_name: str = "cuda:0") -> Device:
     if name == HOST_TIER and tflops is None and bandwidth is None:
         tflops, bandwidth = DEFAULT_HOST_TFLOPS, DEFAULT_HOST_BANDWIDTH_GBPS
         notes += (f"{name}: host speed assumed, {bandwidth:g} GB/s and {tflops:g} TFLOP/s (give bw= and tflops=)",)
+    elif name == HOST_TIER and (tflops is None or bandwidth is None):  # the host's one missing figure is assumed
+        if tflops is None:
+            tflops = DEFAULT_HOST_TFLOPS
+            notes += (f"{name}: host compute assumed, {tflops:g} TFLOP/s (give tflops=)",)
+        else:
+            bandwidth = DEFAULT_HOST_BANDWIDTH_GBPS
+            notes += (f"{name}: host bandwidth assumed, {bandwidth:g} GB/s (give bw=)",)
     return Device(name=name, memory=memory, tflops=tflops, bandwidth=bandwidth,
                   reserve=size_of(fields["reserve"], f"device {label} reserve") if "reserve" in fields else None,
                   link=_number(fields["link"], label, "link") if "link" in fields else None,

@@ -87,7 +87,7 @@ class Unit:
     """A module placed whole: one key of the device map."""
 
     name: str
-    kind: str  # input, layer, output
+    kind: str  # input, layer, output; "experts" for a layer's routed experts placed apart from it (the host tier)
     tensors: tuple[TensorSpec, ...]
 
     @property

@@ -9,9 +9,21 @@ from typing import Any
 
 from ..core import Checkpoint
 from ..units import human_bytes
+from .export import RuntimeCommand, accelerate_map, accelerate_settings, to_llama_cpp, to_vllm
 from .modelspec import ModelSpec
 from .runtime import load_plan
 from .spec import Device, PlanError, Workload, accelerate_device
+
+
+def number_ranges(numbers: tuple[int, ...]) -> str:
+    """'0-23' or '0-3, 9' for sorted numbers; '' when none."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 @dataclass(frozen=True)
@@ -34,6 +46,8 @@ class DeviceUsage:
     units: tuple[str, ...] = ()  # modules placed here (pipeline)
     layers: tuple[int, ...] = ()  # layer numbers placed here (pipeline)
     share: dict[str, Any] | None = None  # tensor parallel: heads, KV heads and fractions held here
+    tensors: tuple[str, ...] = ()  # tensors held here apart from their unit (routed experts on the host)
+    expert_layers: tuple[int, ...] = ()  # the layers those experts belong to
 
     @property
     def name(self) -> str:
@@ -62,13 +76,7 @@ class DeviceUsage:
     @property
     def layer_ranges(self) -> str:
         """'0-23' or '0-3, 9' for the layers held; '' when none."""
-        runs: list[list[int]] = []
-        for n in self.layers:
-            if runs and n == runs[-1][1] + 1:
-                runs[-1][1] = n
-            else:
-                runs.append([n, n])
-        return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+        return number_ranges(self.layers)
 
     def to_dict(self, workload: Workload, speed_known: bool = True) -> dict[str, Any]:
         """Plain JSON types; with `speed_known` False every time is None (the work in bytes and FLOPs stays)."""
@@ -86,6 +94,7 @@ class DeviceUsage:
             "bandwidth_gbps": self.device.bandwidth, "weights": self.weights, "kv_cache": self.kv_cache,
             "activations": self.activations, "reserve": self.reserve, "used": self.used, "free": self.free,
             "fits": self.fits, "layers": self.layer_ranges, "modules": list(self.units), "share": self.share,
+            "tensors": list(self.tensors), "expert_layers": number_ranges(self.expert_layers),
             "decode": phase(self.decode_s, self.decode_handoff_s, self.decode_bytes, self.decode_flops,
                             workload.batch),
             "prefill": phase(self.prefill_s, self.prefill_handoff_s, self.prefill_bytes, self.prefill_flops,
@@ -176,6 +185,8 @@ class Plan:
     links: tuple[float, ...]
     notes: tuple[str, ...] = ()
     speed_known: bool = True
+    offloaded: dict[str, str] = field(default_factory=dict)  # tensor -> device, apart from its unit's device
+    host_link: float | None = None  # GB/s between the host tier and the accelerators, when one is planned
 
     @property
     def fits(self) -> bool:
@@ -229,7 +240,9 @@ class Plan:
                          "optimize": w.optimize},
             "devices": devices,
             "links_gbps": list(self.links),
+            "host_link_gbps": self.host_link,
             "device_map": self.device_map,
+            "offloaded": dict(self.offloaded),
             "overall": {"decode_step_s": None if encoder else self.decode_step_s,
                         "decode_tokens_per_s": None if encoder else self.decode_tokens_per_s,
                         "prefill_s": self.prefill_time_s, "prefill_tokens_per_s": self.prefill_tokens_per_s},
@@ -251,7 +264,21 @@ class Plan:
             raise PlanError("a tensor-parallel plan splits every layer across devices; accelerate's device_map "
                             "places whole modules (plan with strategy='pipeline' for one)")
         resolved = {d.name: accelerate_device(d.device, devices) for d in self.devices}
-        return {module: resolved[name] for module, name in self.device_map.items()}
+        return {module: resolved[name] for module, name in accelerate_map(self).items()}
+
+    def accelerate_settings(self, devices: Mapping[str, int | str] | None = None) -> dict[str, Any]:
+        """`{"device_map": to_accelerate(), "max_memory": {device: bytes}}` for `from_pretrained`; max_memory is
+        each used device's room for weights after the plan's KV cache, activations and reserve (0 elsewhere)."""
+        return accelerate_settings(self, devices)
+
+    def to_llama_cpp(self) -> RuntimeCommand:
+        """llama-server's flags (-dev, -ngl, -ts, -ot, -c, -np, -ctk/-ctv, -b/-ub): `.args`, `str()` for the line."""
+        return to_llama_cpp(self)
+
+    def to_vllm(self) -> RuntimeCommand:
+        """vLLM's engine arguments and environment; PlanError when vLLM cannot run the plan (uneven tensor
+        parallel, a split GGUF, devices of different kinds, KV cache on the host)."""
+        return to_vllm(self)
 
     def load(self, checkpoint: str | Path | Checkpoint, model: Any = None, *,
              devices: Mapping[str, int | str] | None = None) -> Any:

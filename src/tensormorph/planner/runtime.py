@@ -71,7 +71,7 @@ def load_plan(plan: Plan, checkpoint: str | Path | Checkpoint, model: Any = None
             value = to_torch(tensor.full(force=True), tensor.dtype)
             if cast is not None and value.is_floating_point():
                 value = value.to(cast)
-            value = value.to(target[plan.device_map[unit_of[name]]])
+            value = value.to(target[plan.offloaded.get(name) or plan.device_map[unit_of[name]]])
             if model is None:
                 loaded[name] = value
             else:

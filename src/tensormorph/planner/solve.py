@@ -15,10 +15,11 @@ from .costs import activation_bytes, evaluate_pipeline, evaluate_tensor, unit_co
 from .devices import parse_devices
 from .model import load_model
 from .modelspec import ModelSpec
+from .offload import HOST_LINK_GBPS, HostSolver, HostSplit, host_index
 from .pipeline import PipelineSolver, Split
 from .quantize import smaller
-from .result import Bottleneck, DeviceUsage, Plan, QuantizedFit, Shortfall
-from .spec import DEFAULT_LINK_GBPS, ELEMENT_BYTES, Device, PlanError, Workload
+from .result import Bottleneck, DeviceUsage, Plan, QuantizedFit, Shortfall, number_ranges
+from .spec import DEFAULT_LINK_GBPS, ELEMENT_BYTES, HOST_TIER, Device, PlanError, Workload
 from .tensor import tensor_shares
 
 MiB = 1 << 20
@@ -63,7 +64,9 @@ def plan(source: str | Path | Checkpoint | Mapping[str, Any] | Any, devices: Seq
     solving = devs if speed_known else [replace(d, tflops=1.0, bandwidth=1.0) for d in devs]  # times unused
     if spec.arch.encoder:  # one forward pass is all it runs: the plan minimises that
         workload = replace(workload, optimize="prefill")
-    if len(devs) > 1 and link is None and any(d.link is None for d in devs[:-1]):
+    chain = [d for d in devs if d.name != HOST_TIER] if strategy == "pipeline" and host_index(devs) is not None \
+        else devs  # the host tier is no pipeline stage: its link is noted where it holds anything
+    if len(chain) > 1 and link is None and any(d.link is None for d in chain[:-1]):
         notes.append(f"link bandwidth not given: {DEFAULT_LINK_GBPS:g} GB/s assumed (PCIe 4.0 x16)")
     window = spec.arch.sliding_window
     if window and workload.context > window:
@@ -75,6 +78,9 @@ def plan(source: str | Path | Checkpoint | Mapping[str, Any] | Any, devices: Seq
         raise PlanError("a device_map places whole modules: evaluate it with strategy='pipeline'")
 
     memory = [d.memory for d in devs]
+    offloaded: dict[str, str] = {}
+    host_link: float | None = None
+    chain_links = links
     evaluate: Evaluate | None = None  # a fixed placement's rows for any workload
     if strategy == "tensor":
         shares, heads, share_notes = tensor_shares(spec, devs, workload, uneven)
@@ -99,35 +105,51 @@ def plan(source: str | Path | Checkpoint | Mapping[str, Any] | Any, devices: Seq
             _require_some_fit(spec, devs, workload, fits, evaluate)
         rows = evaluate(workload)
     else:
-        solvers: dict[Workload, PipelineSolver] = {}
+        host = host_index(devs)
+        host_link = (devs[host].link or link or HOST_LINK_GBPS) if host is not None else None
 
-        def solver(w: Workload) -> PipelineSolver:
+        def make(model: ModelSpec, w: Workload) -> PipelineSolver | HostSolver:
+            if host is not None and host_link is not None:  # what the accelerators cannot hold goes to the host
+                return HostSolver(model, solving, host, w, links, host_link)
+            return PipelineSolver(model, solving, w, links)
+
+        solvers: dict[Workload, PipelineSolver | HostSolver] = {}
+
+        def solver(w: Workload) -> PipelineSolver | HostSolver:
             if w not in solvers:
-                solvers[w] = PipelineSolver(spec, solving, w, links)
+                solvers[w] = make(spec, w)
             return solvers[w]
 
-        def choose(m: Sequence[int]) -> Split | None:
+        def choose(m: Sequence[int]) -> Split | HostSplit | None:
             return solver(workload).best(m) if speed_known else solver(workload).balanced(m)
 
         def fits(w: Workload, m: Sequence[int]) -> bool:
             return solver(w).feasible(m)
 
-        quantized = partial(_quantized_fits, spec, solving, workload, links)
+        quantized = partial(_quantized_fits, spec, solving, workload, make)
         _require_some_fit(spec, devs, workload, fits, None, quantized)
         split = choose(memory)
         if split is None:  # place it as close as it gets: the least memory added to every device
             extra = _least(lambda x: fits(workload, [m + x for m in memory]), _upper_bound(spec, devs, workload))
             split = choose([m + extra for m in memory])
             assert split is not None, "_least found memory with which a split fits"
-        placement = solver(workload).placement(split)
-        rows = evaluate_pipeline(spec, devs, workload, placement, links)
-        mapping = {u.name: devs[d].name for u, d in zip(spec.units, placement)}
+        placed = solver(workload)
+        if isinstance(placed, HostSolver) and isinstance(split, HostSplit):
+            rows, mapping, offloaded = placed.rows(split), placed.device_map(split), placed.offloaded(split)
+            chain_links = placed.gpu_links  # the host is no stage of the chain: its link is host_link
+            notes += _host_notes(rows[placed.host], placed.crossings(split.steps), placed.host_link,
+                                 devs[placed.host].link or link)
+        else:
+            assert isinstance(placed, PipelineSolver) and isinstance(split, Split)
+            placement = placed.placement(split)
+            rows = evaluate_pipeline(spec, devs, workload, placement, links)
+            mapping = {u.name: devs[d].name for u, d in zip(spec.units, placement)}
     shortfall = None
     if not all(r.fits for r in rows):
         shortfall = _shortfall(spec, devs, workload, rows, fits, evaluate)
         if evaluate is None:  # a split that can change: what quantized weights would fit
             shortfall = replace(shortfall, quantized=quantized())
-    active = [r for r in rows if r.units or r.share]
+    active = [r for r in rows if r.units or r.share or r.tensors]
     decode_stages = [r.decode_stage_s for r in active]
     chunks = workload.prefill_passes
     prefill_stages = [r.prefill_stage_s / chunks for r in active]  # per prefill chunk
@@ -146,7 +168,8 @@ def plan(source: str | Path | Checkpoint | Mapping[str, Any] | Any, devices: Seq
         bottleneck = _bottleneck(active, workload, strategy, links, spec.arch.encoder)
     return Plan(strategy=strategy, model=spec, workload=workload, devices=rows, device_map=mapping,
                 decode_step_s=decode_step, prefill_time_s=prefill_time, bottleneck=bottleneck, shortfall=shortfall,
-                links=tuple(links), notes=tuple(notes), speed_known=speed_known)
+                links=tuple(chain_links), notes=tuple(notes), speed_known=speed_known, offloaded=offloaded,
+                host_link=host_link if any(r.tensors or r.units for r in rows if r.device.name == HOST_TIER) else None)
 
 
 def _devices(devices: Sequence[Device | str]) -> list[Device]:
@@ -230,12 +253,12 @@ def _require_some_fit(spec: ModelSpec, devices: list[Device], workload: Workload
 
 
 def _quantized_fits(spec: ModelSpec, devices: list[Device], workload: Workload,
-                    links: Sequence[float]) -> tuple[QuantizedFit, ...]:
-    """The largest llama.cpp quantization of the weights that fits on the devices, and the largest that fits
-    on one device alone when that is another (`devices` of known speed: the solver's)."""
+                    make: Callable[[ModelSpec, Workload], PipelineSolver | HostSolver]) -> tuple[QuantizedFit, ...]:
+    """The largest llama.cpp quantization of the weights that fits on the devices (`make` builds the plan's
+    solver), and the largest that fits on one device alone when that is another (`devices` of known speed)."""
     across = None
     for preset, model in smaller(spec):
-        if across is None and PipelineSolver(model, devices, workload, links).feasible([d.memory for d in devices]):
+        if across is None and make(model, workload).feasible([d.memory for d in devices]):
             across = QuantizedFit(preset.name, model.nbytes)
         alone = next((d for d in devices if PipelineSolver(model, [d], workload, []).feasible([d.memory])), None)
         if alone is not None:
@@ -243,6 +266,22 @@ def _quantized_fits(spec: ModelSpec, devices: list[Device], workload: Workload,
             return (fit,) if across is not None and across.preset == fit.preset else \
                 tuple(f for f in (across, fit) if f is not None)
     return (across,) if across is not None else ()
+
+
+def _host_notes(row: DeviceUsage, crossings: int, host_link: float, given: float | None) -> list[str]:
+    """What the host tier holds and what it costs, when it holds anything."""
+    if not (row.units or row.tensors):
+        return []
+    held = [f"layers {row.layer_ranges}"] if row.layers else []
+    held += [u for u in row.units if not u.split(".")[-1].isdigit()]
+    if row.expert_layers:
+        held.append(f"the routed experts of layers {number_ranges(row.expert_layers)}")
+    notes = [f"{row.name} (system RAM) holds {', '.join(held)}, {human_bytes(row.weights + row.kv_cache)}: the "
+             f"accelerators cannot; the hidden state crosses to and from it {crossings} times per forward pass "
+             f"over {host_link:g} GB/s"]
+    if given is None:
+        notes.append(f"host link not given: {host_link:g} GB/s assumed (PCIe 4.0 x16); give {row.name}=...,link=GBPS")
+    return notes
 
 
 def _more_memory(spec: ModelSpec, devices: list[Device], workload: Workload, fits: Fits,

@@ -91,7 +91,8 @@ function bar(d, scale) {
 function holds(d) {
   if (d.share) return `${d.share.heads} heads · ${Math.round(d.share.mlp * 100)}% MLP`;
   const sides = d.modules.filter((m) => !/\.\d+$/.test(m)).map((m) => m.split('.').pop());
-  return [d.layers && `layers ${d.layers}`, ...sides].filter(Boolean).join(' + ') || 'nothing';
+  const experts = d.expert_layers ? `experts of ${d.expert_layers}` : null;  // routed experts held apart (host)
+  return [d.layers && `layers ${d.layers}`, ...sides, experts].filter(Boolean).join(' + ') || 'nothing';
 }
 
 function render(p) {
@@ -106,8 +107,14 @@ function render(p) {
     m.source === 'config' ? el('span', { title: m.path }, 'from config.json (no weights)') : null,
     el('span', {}, `${p.strategy} · ${int(p.workload.context)} × ${p.workload.batch} tokens`)].filter(Boolean));
   $('plan-what').textContent = p.plans ? `Plans: ${p.plans}.` : '';
-  const speed = (d) => (encoder ? ` · forward ${rate(p.workload.batch * p.workload.context, d.prefill.stage_s)}`
-    : ` · decode ${rate(p.workload.batch, d.decode.stage_s)} · prefill ${rate(p.workload.batch * p.workload.context, d.prefill.stage_s)}`);
+  // a device given by memory alone has no speed: no rates at all, rather than dashes that read as zero
+  const known = p.speed_known !== false;
+  const speed = (d) => {
+    if (!known) return el('span', { class: 'speed-unknown', 'data-testid': 'plan-speed' }, ' · speed unknown');
+    return el('span', { 'data-testid': 'plan-speed' }, encoder
+      ? ` · forward ${rate(p.workload.batch * p.workload.context, d.prefill.stage_s)}`
+      : ` · decode ${rate(p.workload.batch, d.decode.stage_s)} · prefill ${rate(p.workload.batch * p.workload.context, d.prefill.stage_s)}`);
+  };
   const scale = Math.max(...p.devices.map((d) => Math.max(d.memory, d.used)));
   $('plan-bars').replaceChildren(...p.devices.map((d) => el('div', {
     class: 'plan-device', 'data-testid': 'plan-device', 'data-device': d.device,
@@ -118,10 +125,19 @@ function render(p) {
     d.fits ? `${bytes(d.free)} free` : el('b', { class: 'bad' }, `over by ${bytes(-d.free)}`), speed(d)))));
   const o = p.overall;
   const tokens = p.workload.batch * p.workload.context;
-  $('plan-overall').replaceChildren(encoder ? `Overall: one forward pass ${rate(tokens, o.prefill_s)} (${ms(o.prefill_s)}). `
-    : `Overall: decode ${rate(p.workload.batch, o.decode_step_s)} (${ms(o.decode_step_s)} per step), `
-    + `prefill ${rate(tokens, o.prefill_s)} (${ms(o.prefill_s)}). `,
-  el('span', { 'data-testid': 'plan-bottleneck' }, `Bottleneck (${p.bottleneck.limit}): ${p.bottleneck.reason}`));
+  let overall;
+  if (!known) {
+    overall = 'Speed unknown: a device was given by its memory alone (add tflops= and bw=, or a model name such as '
+      + 'rtx3090, for a speed estimate). ';
+  } else if (encoder) {
+    overall = `Overall: one forward pass ${rate(tokens, o.prefill_s)} (${ms(o.prefill_s)}). `;
+  } else {
+    overall = `Overall: decode ${rate(p.workload.batch, o.decode_step_s)} (${ms(o.decode_step_s)} per step), `
+      + `prefill ${rate(tokens, o.prefill_s)} (${ms(o.prefill_s)}). `;
+  }
+  $('plan-overall').replaceChildren(el('span', { 'data-testid': 'plan-rate' }, overall),
+    el('span', { 'data-testid': 'plan-bottleneck' }, known ? `Bottleneck (${p.bottleneck.limit}): ${p.bottleneck.reason}`
+      : `Placed by memory alone: ${p.bottleneck.reason.replace(/^speed unknown: placed by memory alone; /, '')}`));
   if (p.fits) {
     verdict('Fits.', 'good');
   } else {
