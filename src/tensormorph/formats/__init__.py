@@ -26,6 +26,7 @@ from . import (
     gguf,
     hf_sharded,
     megatron,
+    orbax,
     safetensors,
     tensormorph,
     torch_pickle,
@@ -42,6 +43,7 @@ READERS: tuple[FormatReader, ...] = (
     hf_sharded,
     safetensors,
     gguf,  # after the Hugging Face layouts: a model folder often holds a .gguf export beside them
+    orbax,
     torch_pickle,
 )
 BY_NAME: dict[str, FormatReader] = {reader.NAME: reader for reader in READERS}
