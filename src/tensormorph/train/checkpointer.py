@@ -24,6 +24,7 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from .optim_shell import OPTIMIZERS_KEY, optimizer_classes
 from .peers import PeerTier
 from .preemption import Preemption
 from .resume import Resumer
+from .rollback import read_marker, write_marker
 from .staging import DeferredCopy, SaveTiming, Staging
 from .state import component_states, find_mesh, optimizers, walk
 
@@ -115,9 +117,8 @@ class Checkpointer:
         self._seq = self._control.decide(self._manager.prepare, "cannot use the folder", self.root)
         if remote_manager is not None:  # commit order continues the object store's, whatever the disk lost
             try:
-                self._seq = max(self._seq, self._control.decide(
-                    lambda: max((i.seq for i in remote_manager.list()), default=0), "cannot list the object store",
-                    remote_manager.root))
+                self._seq = max(self._seq, self._control.decide(remote_manager.prepare, "cannot list the object store",
+                                                                remote_manager.root))
             except CheckpointError as exc:  # training can go on without it; its copies are retried at each save
                 warnings.warn(f"{exc}; commit order goes on from the local checkpoints", stacklevel=2)
 
@@ -295,7 +296,19 @@ class Checkpointer:
         self.resumed_from, self.resume_notes = used.tier, used.rejected
         if self._memory is not None:  # snapshots of later steps belong to the timeline this resume abandons
             self._memory.forget_after(resumed)
+        self._settle_rollback()
         return resumed
+
+    def _settle_rollback(self) -> None:
+        """After the first resume since a rollback every rank has forgotten the later snapshots: from now on
+        snapshots past the rollback's step are this run's own again."""
+        marker = read_marker(self.root)
+        if marker is None or marker.resumed:
+            return
+        self._control.barrier()
+        if self._control.rank == 0:
+            write_marker(self.root, replace(marker, resumed=True))
+        self._control.barrier()
 
     # ---- tiers ----------------------------------------------------------------------------------------
 

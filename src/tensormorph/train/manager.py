@@ -20,13 +20,15 @@ from ..errors import CheckpointError, MissingFileError
 from ..storage import AnyPath, RemotePath, as_path, create_new, entries, open_regular, store_at
 from ..tmformat.checkpoint import read_manifest
 from ..tmformat.commit import discard_folder, remove_abandoned
-from ..tmformat.manifest import GENERATION_PREFIX, MANIFEST, MAX_MANIFEST_BYTES, SAVE_MARKER, TEMP_PREFIX, parse
+from ..tmformat.manifest import GENERATION_PREFIX, MANIFEST, MAX_MANIFEST_BYTES, SAVE_MARKER, parse
 from ..tmformat.recovery import all_files
+from .rollback import read_marker
 
-__all__ = ["FOLDER_PREFIX", "TRAIN_KEY", "CheckpointInfo", "CheckpointManager"]
+__all__ = ["ABANDONED_PREFIX", "FOLDER_PREFIX", "TRAIN_KEY", "CheckpointInfo", "CheckpointManager"]
 
 TRAIN_KEY = "tensormorph.train"
 FOLDER_PREFIX = "step-"
+ABANDONED_PREFIX = "abandoned-"  # a local checkpoint a rollback abandoned: abandoned-step-N-<commit number>
 _STEP_FOLDER = re.compile(rf"{FOLDER_PREFIX}\d{{8,}}")  # the names `path` gives
 RUN_ID_FILE = ".tensormorph-run"  # in a local root: the run's id, which names its memory snapshots
 
@@ -95,7 +97,8 @@ class CheckpointManager:
             self.root.mkdir(parents=True, exist_ok=True)
             # a save in progress in another process (its marker still locked) is left alone
             remove_abandoned(self.root)
-        return max((info.seq for info in self.list()), default=0)
+        marker = read_marker(self.root)  # commits abandoned by a rollback keep their numbers: never reused
+        return max([marker.max_seq if marker else 0, *(info.seq for info in self.list())])
 
     def sweep_uploads(self) -> list[str]:
         """On an object store, delete what uploads killed before their commit left under the root: a step's
@@ -135,11 +138,12 @@ class CheckpointManager:
         found = []
         if isinstance(self.root, RemotePath):  # other processes save and delete under it: ask afresh each time
             self.root.remote.forget(self.root.url)
+        marker = read_marker(self.root)
         for child in entries(self.root):
-            if child.name.startswith(TEMP_PREFIX) or not child.is_dir():
+            if not _STEP_FOLDER.fullmatch(child.name) or not child.is_dir():
                 continue
             info = self._info(child)
-            if info is not None:
+            if info is not None and not (marker and marker.abandons(info.step, info.seq)):
                 found.append(info)
         return sorted(found, key=lambda i: (i.seq, i.time))
 
@@ -154,13 +158,26 @@ class CheckpointManager:
         if self.keep is None:
             return
         try:
+            marker = read_marker(self.root)
+            target = (marker.step, marker.seq) if marker else None  # the step a rollback went back to stays
             for info in self.list()[:-self.keep]:
-                if str(info.path) not in protect:
-                    self._delete(info.path)
-        except OSError as exc:
+                if str(info.path) not in protect and (info.step, info.seq) != target:
+                    self.delete(info.path)
+        except (OSError, CheckpointError) as exc:
             warnings.warn(f"could not delete an old checkpoint under {self.root}: {exc}", stacklevel=2)
 
-    def _delete(self, folder: AnyPath) -> None:
+    def abandon(self, info: CheckpointInfo) -> AnyPath:
+        """Move a local checkpoint out of the run's sight (`abandoned-step-N-<commit>`), kept whole; an object
+        store's stays where it is, left out by the rollback marker. Where it is now."""
+        if isinstance(info.path, RemotePath):
+            return info.path
+        kept = info.path.parent / f"{ABANDONED_PREFIX}{info.path.name}-{info.seq}"
+        os.rename(info.path, kept)
+        self._cache.pop(str(info.path), None)
+        return kept
+
+    def delete(self, folder: AnyPath) -> None:
+        """Delete a checkpoint: an object store's manifest first, a local folder renamed out of sight first."""
         self._cache.pop(str(folder), None)
         if isinstance(folder, RemotePath):
             # the manifest first: from then on the prefix is no checkpoint, whatever of its files remain

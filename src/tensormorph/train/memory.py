@@ -42,7 +42,7 @@ from ..tmformat.reader import BoxReader
 from ..tmformat.writer import Piece, SaveTransaction
 from ..torch_arrays import as_numpy, cpu_contiguous, to_torch, vocabulary
 
-__all__ = ["DEFAULT_MEMORY_DIR", "MemoryTier", "RankSnapshots", "node_name", "run_folder", "survey"]
+__all__ = ["DEFAULT_MEMORY_DIR", "MemoryTier", "RankSnapshots", "drop_later", "node_name", "run_folder", "survey"]
 
 DEFAULT_MEMORY_DIR = f"/dev/shm/tensormorph-{os.getuid()}"  # one per user: others can neither read nor plant
 NODE_VARIABLE = "TENSORMORPH_NODE"  # names this process's node (tests simulate several nodes on one machine)
@@ -168,11 +168,7 @@ class MemoryTier:
     def forget_after(self, step: int) -> None:
         """Drop this rank's snapshots and held copies of steps after `step`: a run resumed at `step` abandoned
         them, and its own next saves must not rank below them."""
-        for folder in [self.folder, *self.folder.glob("peer-*")]:
-            for child in folder.glob("step-*"):
-                match = _STEP.match(child.name)
-                if match and int(match.group(1)) > step:
-                    discard_folder(child)
+        drop_later(self.folder, step)
 
     def release(self) -> None:
         """Delete every snapshot of this rank (a finished run's memory goes back to the system)."""
@@ -188,6 +184,18 @@ class MemoryTier:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+
+
+def drop_later(rank_folder: Path, step: int) -> int:
+    """Delete a rank folder's snapshots and held copies of steps after `step`; how many."""
+    dropped = 0
+    for folder in [rank_folder, *rank_folder.glob("peer-*")]:
+        for child in folder.glob("step-*"):
+            match = _STEP.match(child.name)
+            if match and int(match.group(1)) > step:
+                discard_folder(child)
+                dropped += 1
+    return dropped
 
 
 def _private_folder(folder: Path) -> None:

@@ -27,6 +27,7 @@ from .memory import LAYOUT_KEY, MemoryTier
 from .optim_shell import OPTIMIZERS_KEY, prefill
 from .peers import PeerTier
 from .plain import from_plain, to_plain
+from .rollback import read_marker
 from .state import component_states, generator_state, loader_parts, optimizers
 
 __all__ = ["Choice", "Resumer"]
@@ -77,8 +78,12 @@ class Resumer:
         snapshot counts only when every rank has one of that step); None when there is nothing. Collective."""
         found = self._control.decide(lambda: [(i.step, str(i.path), i.seq) for i in self._manager.list()],
                                      "cannot list the checkpoints", self._manager.root)
+        marker = read_marker(self._manager.root)
         own = [s.step for s in self._memory.snapshots()] if self._memory is not None else []
         held = self._peers.held() if self._peers is not None else {}
+        if marker is not None and not marker.resumed:  # snapshots of steps a rollback abandoned, on any machine
+            own, held = [s for s in own if s <= marker.step], {o: [s for s in steps if s <= marker.step]
+                                                               for o, steps in held.items()}
         shared = self._control.gather((own, held)) if self._memory is not None else []
         everyone = [steps for steps, _ in shared]
         # a step counts for a rank when it holds the snapshot, or another rank holds a copy of it
@@ -92,7 +97,8 @@ class Resumer:
         if self._remote is not None:  # an object store that does not answer leaves the faster tiers to resume
             remote = self._remote
             try:
-                stored = self._control.decide(lambda: [(i.step, str(i.path), i.seq) for i in remote.list()],
+                stored = self._control.decide(lambda: [(i.step, str(i.path), i.seq) for i in remote.list()
+                                                       if not (marker and marker.abandons(i.step, i.seq))],
                                               "cannot list the object store's checkpoints", remote.root)
             except CheckpointError as exc:
                 notes.append(f"the object store was not listed: {exc.reason}")
