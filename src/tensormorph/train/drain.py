@@ -69,15 +69,12 @@ class Drain:
         self._thread.join()
 
     def _run(self) -> None:
-        try:  # before any copy of its own: what a killed copy left can only be a dead upload's
-            self.manager.sweep_uploads()
-        except Exception as exc:  # garbage left is no failure of training
-            warnings.warn(f"could not sweep unfinished uploads under {self.manager.root}: {exc}", stacklevel=1)
+        swept = False  # what killed uploads left is swept once, after the first copy (training's come first)
         while True:
             with self._condition:
                 self._condition.wait_for(lambda: self._pending is not None or self._closed)
                 if self._pending is None:
-                    return
+                    break
                 (step, folder, handed), self._pending = self._pending, None
                 self._busy, self._copying = True, folder
             try:
@@ -89,6 +86,19 @@ class Drain:
                 warnings.warn(f"copying the checkpoint of step {step} to {self.manager.root} failed: {exc}",
                               stacklevel=1)
             finally:
+                if not swept:
+                    swept = self._sweep()
                 with self._condition:
                     self._busy, self._copying = False, None
                     self._condition.notify_all()
+        if not swept:
+            self._sweep()
+
+    def _sweep(self) -> bool:
+        """Delete what uploads killed before their commit left on the store. Only this thread copies there, and
+        it is between copies: anything uncommitted is a dead upload's."""
+        try:
+            self.manager.sweep_uploads()
+        except Exception as exc:  # garbage left is no failure of training
+            warnings.warn(f"could not sweep unfinished uploads under {self.manager.root}: {exc}", stacklevel=1)
+        return True
