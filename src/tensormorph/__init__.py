@@ -19,13 +19,14 @@ from .extras import require
 from .formats import detect, open_checkpoint
 from .ops.convert import convert
 from .ops.diff import diff
+from .ops.history import history
 from .ops.verify import verify
 from .storage import remote_options
 from .version import __version__ as __version__
 
 __all__ = [
     "Checkpoint", "CheckpointError", "Chunk", "DEFAULT_READ_BUDGET", "LogicalTensor", "ObjectEntry", "Placement",
-    "convert", "detect", "diff", "open", "remote_options", "verify",
+    "convert", "detect", "diff", "history", "open", "remote_options", "verify",
 ]  # save, load and plan load on first use (torch for the first two) and stay out of `import *`
 
 
@@ -39,7 +40,7 @@ def open(path: str | Path, format: str | None = None, *, read_budget: int = DEFA
     folder, True or None for the default one, False for none).
 
     `format` forces a reader ("safetensors", "hf-sharded", "torch", "dcp", "dcp-safetensors",
-    "tensormorph", "deepspeed", "deepspeed-universal", "megatron-torch-dist", "gguf"); by default
+    "tensormorph", "deepspeed", "deepspeed-universal", "megatron-torch-dist", "gguf", "orbax"); by default
     the format is detected from the content. Reads larger than `read_budget`
     bytes raise BudgetExceededError unless forced.
     """
