@@ -23,7 +23,8 @@ from tensormorph.ops import history as history_module
 from tensormorph.ops.convert import convert
 from tensormorph.ops.history import CACHE_FILE, History, history
 from tensormorph.ops.history_drift import layer_of
-from tensormorph.train import Checkpointer
+from tensormorph.train import Checkpointer, manager
+from tensormorph.train import records as save_records
 
 torch.set_num_threads(1)
 
@@ -90,6 +91,9 @@ def test_history_of_a_run(run, tmp_path):
     assert "step-00000002/rank-00000.safetensors" in damaged.problem and damaged.drift is None
     assert [r.seq for r in records] == list(STEPS)
     assert records[0].metrics["lr.base"] == 0.05 and all("loss" in r.metrics for r in records)
+    # the Checkpointer's record of saves: a synchronous save is durable before it returns
+    assert all(r.tiers == ["disk"] and 0 < r.durable_s <= r.blocked_s for r in records if r.status == "committed")
+    assert damaged.tiers == ["disk"]  # its save went well: the file was damaged afterwards
     # the drift chain skips the damaged checkpoint: step 3 is measured from step 1
     chain = [r for r in records if r.status == "committed"]
     assert [r.previous for r in chain] == [None, "step-00000001", "step-00000003", "step-00000004",
@@ -145,12 +149,11 @@ def test_second_run_reads_no_tensor_data(run, tmp_path, monkeypatch):
 
 
 def test_abandoned_and_incomplete_checkpoints_are_listed_not_compared(run, tmp_path):
-    from tensormorph.train import manager
-
     root, _ = run
     copy = _copy(root, tmp_path)
     assert history_module.ABANDONED_PREFIX == manager.ABANDONED_PREFIX and history_module.TRAIN_KEY == \
         manager.TRAIN_KEY  # ops may not import train: the names are repeated, and must agree
+    assert history_module.SAVES_FILE == save_records.SAVES_FILE
     (copy / "step-00000006").rename(copy / f"{manager.ABANDONED_PREFIX}step-00000006-6")
     (copy / "step-00000007").mkdir()
     shutil.copy(copy / "step-00000005" / "rank-00000.safetensors", copy / "step-00000007")
@@ -256,7 +259,7 @@ def test_cli_table_and_json(run, tmp_path):
     assert table.exit_code == 0, table.output
     assert "first NaN/Inf: model.2.weight at step 4" in table.output
     assert "damaged:" in table.output and "rank-00000.safetensors" in table.output
-    assert "most-moved layers" in table.output and "loss" in table.output
+    assert "most-moved layers" in table.output and "loss" in table.output and "blocked" in table.output
     assert any(c in table.output for c in "▁▂▃▄▅▆▇█")
     sampled = runner.invoke(main, ["history", str(copy), "--sample", "1", "--no-cache"])
     assert sampled.exit_code == 0 and "estimate: 1 block(s) per tensor" in sampled.output

@@ -56,8 +56,10 @@ def _print(result: History, top: int) -> None:
         return
     scale = max((d.relative for r in records for d in r.drift or () if d.relative is not None), default=0.0)
     metrics = list(dict.fromkeys(k for r in records for k in r.metrics))[:MAX_METRICS_SHOWN]
+    timed = any(r.blocked_s is not None for r in records)  # the Checkpointer recorded its saves
     table = Table(box=None, pad_edge=False)
-    for column in ("step", "time", "size", "status", *metrics, "drift", "per layer"):
+    for column in ("step", "time", "size", "status", *(("blocked", "durable") if timed else ()), *metrics, "drift",
+                   "per layer"):
         table.add_column(escape(column), justify="right" if column not in ("status", "per layer") else "left")
     for record in records:
         status = f"[{STATUS_STYLE[record.status]}]{record.status}[/]"
@@ -65,7 +67,8 @@ def _print(result: History, top: int) -> None:
             status += " [bold red]NaN/Inf[/]"
         table.add_row("—" if record.step is None else str(record.step),
                       time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(record.time)), human_bytes(record.size),
-                      status, *(number(record.metrics.get(m)) for m in metrics),
+                      status, *((_seconds(record.blocked_s), _seconds(record.durable_s)) if timed else ()),
+                      *(number(record.metrics.get(m)) for m in metrics),
                       number(record.total_drift) + ("*" if record.cached else ""), _sparkline(record, scale))
     console.print(table)
     notes = ["drift: ‖w − w_prev‖ / ‖w_prev‖ per layer (bars share one scale across the run)"]
@@ -106,3 +109,9 @@ def _sparkline(record: CheckpointRecord, scale: float) -> str:
         else:
             bars.append(SPARK[min(len(SPARK) - 1, int(layer.relative / scale * len(SPARK)))])
     return "".join(bars)
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"

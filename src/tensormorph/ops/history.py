@@ -25,7 +25,7 @@ import crc32c
 from ..core import Checkpoint
 from ..errors import CheckpointError, MissingFileError, UncommittedCheckpointError, UnknownFormatError
 from ..formats import open_checkpoint
-from ..storage import ByteStore, is_url, store_at
+from ..storage import ByteStore, is_url, open_regular, store_at
 from ..tmformat.checkpoint import read_manifest
 from ..tmformat.manifest import FORMAT, MANIFEST, MAX_MANIFEST_BYTES, SAVE_MARKER, TEMP_PREFIX, Manifest
 from .history_drift import (
@@ -44,6 +44,8 @@ __all__ = ["CACHE_FILE", "CheckpointRecord", "History", "LayerDrift", "NonFinite
 TRAIN_KEY = "tensormorph.train"  # the Checkpointer's record in a manifest's extra (train.manager.TRAIN_KEY)
 ABANDONED_PREFIX = "abandoned-"  # a checkpoint a rollback set aside (train.manager.ABANDONED_PREFIX)
 CACHE_FILE = ".tensormorph-history.json"  # in the run's folder, unless a cache folder is given
+SAVES_FILE = ".tensormorph-saves.jsonl"  # the Checkpointer's record of saves (train.records.SAVES_FILE)
+MAX_SAVES_BYTES = 16 << 20  # the end of that record read: ~150,000 saves
 MODEL_PREFIX = "model."  # a training checkpoint's weights: drift leaves optimizer state out
 _NUMBER = re.compile(r"\d+")
 _STEP_FOLDER = re.compile(r"step-\d{8,}")  # a Checkpointer's checkpoint folder
@@ -88,6 +90,9 @@ class CheckpointRecord:
     nonfinite: dict[str, tuple[int, int]] = field(default_factory=dict)  # tensor -> (NaNs, infinities)
     changes: list[TensorChange] = field(default_factory=list)
     cached: bool = False  # the drift came from the cache
+    tiers: list[str] | None = None  # from the Checkpointer's record of saves: where the save went
+    blocked_s: float | None = None  # how long it held up training
+    durable_s: float | None = None  # from the call to the commit
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,6 +159,7 @@ def history(run: str | os.PathLike[str], *, sample: int | None = None, cache: bo
         raise CheckpointError("is one checkpoint, not a run: give the folder that holds the checkpoints",
                               file=str(root))
     records, manifests = _records(root)
+    _attach_saves(root, records)
     cache_path = None
     if cache:
         cache_path = root / CACHE_FILE if cache_dir is None else \
@@ -320,6 +326,31 @@ def _manifest(folder: Path, record: CheckpointRecord) -> bytes | None:
         record.metrics = _metrics(manifest.objects.get("extra"))
     record.size = sum(f.size for f in manifest.files.values()) + len(raw)
     return raw
+
+
+def _attach_saves(root: Path, records: list[CheckpointRecord]) -> None:
+    """Each committed checkpoint's save timing from the Checkpointer's record of saves (the last line of its step:
+    a step saved again after a rollback was written last). Only the file's last MAX_SAVES_BYTES are read."""
+    try:
+        descriptor = open_regular(root / SAVES_FILE, follow=False)
+    except CheckpointError:
+        return  # no record: not a Checkpointer run, or one of an older version
+    with os.fdopen(descriptor, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        handle.seek(max(0, size - MAX_SAVES_BYTES))
+        lines = handle.read(MAX_SAVES_BYTES).splitlines()[1 if size > MAX_SAVES_BYTES else 0:]
+    timings: dict[int, dict[str, Any]] = {}
+    for line in lines:
+        with suppress(ValueError, TypeError, KeyError):  # a line cut by a crash, or not ours: skipped
+            entry = json.loads(line)
+            timings[int(entry["step"])] = entry
+    for record in records:
+        entry = timings.get(record.step) if record.status == "committed" and record.step is not None else None
+        if entry is not None:
+            with suppress(ValueError, TypeError, KeyError):
+                record.tiers = [str(t) for t in entry["tiers"]]
+                record.blocked_s = float(entry["blocked_s"])
+                record.durable_s = None if entry["durable_s"] is None else float(entry["durable_s"])
 
 
 def _marker_target_step(files: ByteStore) -> int | None:

@@ -43,6 +43,7 @@ from .memory import MemoryTier
 from .optim_shell import OPTIMIZERS_KEY, optimizer_classes
 from .peers import PeerTier
 from .preemption import Preemption
+from .records import append_saves
 from .resume import Resumer
 from .rollback import read_marker, write_marker
 from .staging import DeferredCopy, SaveTiming, Staging
@@ -89,6 +90,7 @@ class Checkpointer:
         self.resumed_from: str | None = None  # "memory" or "disk" after a resume; None for a fresh start
         self.resume_notes: list[str] = []  # newer steps a resume passed over, and why
         self.timings: list[SaveTiming] = []
+        self._recorded = 0  # timings already appended to the run's record of saves
         distributed = dist.is_available() and dist.is_initialized()
         # gloo groups of their own: the background save's collectives never meet the training's, nor the
         # main thread's agreements (resume choice, stop requests)
@@ -178,6 +180,7 @@ class Checkpointer:
         if self._preemption.stopping and "disk" not in tiers:
             tiers = timing.tiers = (*tiers, "disk")  # the last save before a stop goes to disk: memory may go too
         self._staging.wait()  # the save in flight; never the copy to the object store
+        self._record_saves()
         state, meta = self._collect(step, model, optimizer, scheduler, scaler, dataloader, extra)
         # what a checkpoint cannot hold is refused here, naming the entry, before anything is written
         walk(state, lambda name, tensor: tensor, lambda name, value: encode_value(value, name))
@@ -212,6 +215,17 @@ class Checkpointer:
     def remote_errors(self) -> tuple[str, ...]:
         """Copies to the object store that failed (rank 0 copies; other ranks have none)."""
         return tuple(self._drain.errors) if self._drain is not None else ()
+
+    def _record_saves(self) -> None:
+        """Rank 0 appends the saves finished since the last call to the run's record (a local root only); a record
+        that cannot be written is a warning, never a failed save."""
+        finished = [t for t in self.timings[self._recorded:] if t.durable_s is not None]
+        self._recorded = len(self.timings)
+        if self._control.rank == 0 and isinstance(self.root, Path) and finished:
+            try:
+                append_saves(self.root, finished)
+            except OSError as exc:
+                warnings.warn(f"could not record the saves' timings in {self.root}: {exc}", stacklevel=3)
 
     def _collect(self, step: int, model: Any, optimizer: Any, scheduler: Any, scaler: Any, dataloader: Any,
                  extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -337,6 +351,7 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for the save in flight, unhook the optimizers and release the process groups."""
         self.wait()
+        self._record_saves()
         self._staging.close()
         if self._drain is not None:
             self._drain.close()
