@@ -8,8 +8,9 @@ Cases, each beside its anchor in the same run (medians of RUNS runs, alternating
     on S3 (open + read), against downloading the files the read touches with fsspec `get`. Targets: bytes
     sent / bytes needed <= 1.1, and >= 50x faster.
   * cached_open: a second open of the same remote checkpoint from the range cache against opening the local
-    files (page cache warm): the 1,000-file repo (HTTP), and the DCP checkpoint (S3) with a fresh s3fs client
-    (a new command) and with the process's client reused (the viewer). Target: within 2x.
+    files (page cache warm): the 1,000-file repo (HTTP) at "main" (within the cache's revalidation time) and at a
+    commit hash (immutable: never asked again, even with a revalidation time of 0), and the DCP checkpoint (S3)
+    with a fresh s3fs client (a new command) and with the process's client reused (the viewer). Target: within 2x.
   * diff: two 256 MiB DCP checkpoints on S3 differing in one tensor; `tensormorph.diff` of the URLs against
     fsspec `get` of both then a local diff, each in its own process for its peak RSS. Targets: faster, peak
     RSS <= 1/8.
@@ -36,7 +37,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .bench_remote_store import BUCKET, LATENCY_S, PREFAULT, Proxy, s3_behind_proxy, timed
+from .bench_remote_store import BUCKET, HUB_COMMIT, LATENCY_S, PREFAULT, Proxy, s3_behind_proxy, timed
 from .common import (
     cpu_seconds,
     emit,
@@ -126,10 +127,15 @@ def bench_open_hf(repo: Path, files: int, hf_cache: Path) -> dict[str, Any]:
     return out
 
 
-def bench_cached_open(local: Path, url: str, proxy: Proxy, cache: Path, **options: Any) -> dict[str, Any]:
-    """A second open of `url` from the range cache at `cache`, against `tm.open(local)` (page cache warm)."""
+def bench_cached_open(local: Path, url: str, proxy: Proxy, folder: Path, revalidate_after_s: float | None = None,
+                      **options: Any) -> dict[str, Any]:
+    """A second open of `url` from the range cache in `folder` (trusting a mutable URL's cached version for
+    `revalidate_after_s`, None for the default), against `tm.open(local)` (page cache warm)."""
+    from tensormorph.storage.range_cache import RangeCache
+
     want = tm_shapes(local)
-    shutil.rmtree(cache, ignore_errors=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    cache = RangeCache(folder, revalidate_after_s=revalidate_after_s)
     first_s, shapes, first = timed(lambda: tm_shapes(url, cache=cache, **options), proxy)  # fills the cache
     if shapes != want:
         raise AssertionError(f"{url} and {local} disagree on shapes")
@@ -381,7 +387,10 @@ def run_cases(cases: set[str], work: Path) -> dict[str, Any]:
         if "cached_open" in cases:
             with Proxy(repos={HUB_REPO: str(repo)}) as proxy:
                 url = f"{proxy.url}/{HUB_REPO}/resolve/main/model.safetensors.index.json"
-                out["cached_open"] = {"hf_http": bench_cached_open(repo, url, proxy, work / "cache-hf")}
+                pinned = f"{proxy.url}/{HUB_REPO}/resolve/{HUB_COMMIT}/model.safetensors.index.json"
+                out["cached_open"] = {"hf_http": bench_cached_open(repo, url, proxy, work / "cache-hf"),
+                                      "hf_http_commit": bench_cached_open(repo, pinned, proxy, work / "cache-hf",
+                                                                          revalidate_after_s=0)}
         shutil.rmtree(repo)
     if not cases & {"region", "cached_open", "diff", "load"}:
         return out

@@ -1,6 +1,7 @@
 """The servers of the remote benchmarks, and obstore against s3fs on the same ranged-read workloads.
 
-Servers (used by bench_remote too): moto's S3 server and a hub-layout HTTP server (tests/remote_support.py),
+Servers (used by bench_remote too): moto's S3 server and a hub-layout HTTP server (tests/remote_support.py; each repo
+at revision "main" and at the commit HUB_COMMIT),
 behind the CountingProxy, which counts what it sends and adds LATENCY_S to every request. The proxy (and the hub
 server) run in a child process, so serving does not share the client's GIL; on this 2-core machine client and
 servers still share the cores, so steps also record the client's and the servers' CPU seconds. moto reads a
@@ -48,6 +49,7 @@ RUNS = 3
 LATENCY_S = 0.020  # added to every request by the proxy: a WAN round trip
 PREFAULT = 1 * GiB
 BUCKET = "bench"
+HUB_COMMIT = "3f2a" * 10  # the hub server serves each repo at "main" and at this commit hash (an immutable revision)
 SERVER_TIMEOUT_S = 120  # a server (moto, or the proxy process) that has not answered by then has failed
 SMALL_OBJECTS, SMALL_OBJECT_BYTES, SMALL_RANGES, SMALL_RANGE, SMALL_STRIDE = 4, 32 * MiB, 64, 64 * KiB, 512 * KiB
 LARGE_BYTES, LARGE_RANGE = 256 * MiB, 8 * MiB
@@ -144,6 +146,7 @@ def _serve(conn: Any, upstream: str | None, repos: dict[str, str]) -> None:
             hub = stack.enter_context(s.HubServer())
             for repo, folder in repos.items():
                 hub.add(repo, folder)
+                hub.add(repo, folder, revision=HUB_COMMIT)
             upstream = hub.url
         proxy = stack.enter_context(s.CountingProxy(upstream))
         conn.send(proxy.url)

@@ -126,9 +126,9 @@ def test_convert_into_a_path_under_a_file(good: Path, tmp_path: Path, target: st
 
 def test_convert_to_a_url_writes_no_local_folder(good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    line = one_line_error("convert", str(good), "s3://bucket/out")
-    assert "s3://bucket/out" in line and "local folder" in line
-    assert list(tmp_path.iterdir()) == []
+    line = one_line_error("convert", str(good), "https://example.invalid/out")  # refused before any request
+    assert "https://example.invalid/out" in line and "HTTP is read-only" in line
+    assert list(tmp_path.iterdir()) == []  # nothing named like the URL appears in the working folder
 
 
 def test_convert_into_a_non_empty_folder(good: Path, tmp_path: Path) -> None:

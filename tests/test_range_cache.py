@@ -132,6 +132,31 @@ def test_least_recently_used_entries_go_first_and_the_byte_bound_holds(tmp_path)
     assert len(remote.calls) == 2 and cache.held_bytes() <= cache.max_bytes
 
 
+def test_version_records_are_trusted_for_their_time_and_evicted_and_cleared_with_the_entries(tmp_path):
+    cache = RangeCache(tmp_path / "cache", revalidate_after_s=3600)
+    url, info = KEY.url, {"size": KEY.size, "ETag": KEY.version}
+    assert cache.versions.trusted(url) is None
+    cache.versions.remember(url, info, KEY.version)
+    known = cache.versions.trusted(url)
+    assert known is not None and known.info is not None and not known.immutable
+    assert (known.info["size"], known.info["ETag"]) == (KEY.size, KEY.version)
+    cache.versions.remember(url, None, "")  # gone: a missing object at a mutable URL is never trusted
+    assert cache.versions.trusted(url) is None and cache.versions.lookup(url) is not None
+    record = next(cache.dir.glob("*.version"))
+    record.write_bytes(b'{"url": "s3://bucket/other", "checked": 0}')  # another URL's (or a damaged) record
+    assert cache.versions.lookup(url) is None
+    cache.versions.remember(url, info, KEY.version)
+    assert RangeCache(tmp_path / "cache", revalidate_after_s=0).versions.trusted(url) is None
+    cache.read(KEY, [(0, 4096)], Remote())
+    assert cache.held_bytes() >= 4096 + os.lstat(record).st_blocks * 512
+    small = RangeCache(tmp_path / "cache", max_bytes=100)
+    small.read(ObjectKey("s3://bucket/x", 10, "v"), [(0, 10)], Remote())  # over the bound: everything goes
+    assert list(small.dir.glob("*.version")) == [] and list(small.dir.glob("*.index")) == []
+    cache.versions.remember(url, info, KEY.version)
+    cache.clear()
+    assert list(cache.dir.iterdir()) == []
+
+
 def test_entries_beyond_the_piece_limit_are_not_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(range_cache, "MAX_PIECES", 10)
     cache, remote = RangeCache(tmp_path), Remote()

@@ -132,11 +132,16 @@ def test_http_open_retries_503s(proxy):
     assert_model(tm.open(hub_url(proxy, "model", "model.safetensors"), cache=False))
 
 
-@pytest.mark.parametrize("via", ["s3", "http"])
-def test_a_body_cut_mid_read_is_fetched_again(via, s3, s3_proxy, proxy):
-    counting = s3_proxy if via == "s3" else proxy
-    ck = (s3_open(s3, s3_proxy, "model/model.safetensors") if via == "s3"
-          else tm.open(hub_url(proxy, "model", "model.safetensors"), cache=False))
+@pytest.mark.parametrize("via", ["s3", "s3-s3fs", "http"])
+def test_a_body_cut_mid_read_is_fetched_again(via, s3, s3_proxy, proxy, monkeypatch):
+    """On S3 through obstore (then s3fs for the retry), and through s3fs alone."""
+    from tensormorph.storage import obstore_ranges
+
+    monkeypatch.setattr(obstore_ranges, "USE_OBSTORE", via != "s3-s3fs")
+    counting = proxy if via == "http" else s3_proxy
+    ck = (tm.open(hub_url(proxy, "model", "model.safetensors"), cache=False) if via == "http"
+          else s3_open(s3, s3_proxy, "model/model.safetensors"))
+    assert ck.storage is not None and (ck.storage.remote.fast is not None) == (via == "s3")
     counting.reset()
     counting.cut_next(1, after_bytes=1000, path_contains="model.safetensors")
     assert ck["w"][10:200].tobytes() == WEIGHT[10:200].tobytes()
@@ -167,9 +172,13 @@ def test_a_lying_content_length_is_an_error_never_wrong_data(extra, when, proxy,
     assert_model(tm.open(url, cache=cache))
 
 
-def test_s3_content_length_shorter_than_the_body_is_an_error(s3, s3_proxy):
+@pytest.mark.parametrize("client", ["obstore", "s3fs"])
+def test_s3_content_length_shorter_than_the_body_is_an_error(client, s3, s3_proxy, monkeypatch):
     # a longer Content-Length is left to the HTTP case: s3fs and botocore retry the broken body themselves,
     # 5 x 5 tries with backoff (about 10 s) before the TruncatedFileError comes
+    from tensormorph.storage import obstore_ranges
+
+    monkeypatch.setattr(obstore_ranges, "USE_OBSTORE", client == "obstore")
     ck = s3_open(s3, s3_proxy, "model/model.safetensors")
     s3_proxy.lie_content_length(-5, path_contains="model.safetensors")
     with pytest.raises(TruncatedFileError, match=f"^s3://{BUCKET}/model/model.safetensors: "):

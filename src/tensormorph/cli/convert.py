@@ -1,4 +1,5 @@
-"""`convert`: any checkpoint to a Hugging Face safetensors folder, or re-sharded into the Tensormorph format."""
+"""`convert`: any checkpoint to a Hugging Face safetensors folder, or re-sharded into the Tensormorph format; either
+into a local folder or to an object store's URL."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def convert_command(source: str, destination: str, target: str, max_shard_size: 
                     redundancy: str | None, dtype: str | None, renames: tuple[str, ...], no_check: bool,
                     as_json: bool) -> None:
     """Write any checkpoint as a Hugging Face safetensors folder, or re-shard it into the Tensormorph
-    format for another world size and placement; streaming, then checked against the source."""
+    format for another world size and placement; streaming, then checked against the source. DESTINATION is a new
+    local folder or a new prefix of an object store (s3://bucket/out)."""
     split = [p.strip() for p in _PLACEMENT_SEPARATOR.split(placements) if p.strip()]
     with open_checkpoint(source) as ck, byte_progress("convert", ck.nbytes, enabled=not as_json) as progress:
         task = progress.add_task("convert", total=ck.nbytes)

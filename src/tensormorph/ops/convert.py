@@ -9,14 +9,21 @@ more than one shard. Tensormorph: every rank's file of a save on a mesh
 in blocks. Either way the folder is assembled under a temporary name and
 renamed into place when complete, and the result is then diffed against the
 source.
+
+To a URL (an object store): the Tensormorph format commits by its manifest's PUT (tmformat). A safetensors folder
+is written one shard at a time into a local temporary folder, each shard uploaded (then deleted locally) as soon as
+it is complete, and the index uploaded last: the index names the shards, so a reader that finds it finds them all.
+The prefix must hold nothing yet; a failed conversion deletes what it uploaded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
@@ -33,7 +40,8 @@ from ..errors import CheckpointError, UnsupportedError
 from ..formats import opened
 from ..geometry import split_box
 from ..safe_pickle import is_plain
-from ..storage import as_path, create_new, is_url, remote_defaults
+from ..storage import RemotePath, as_path, create_new, is_url, remote_defaults
+from ..storage.retry import with_retries
 from ..tmformat.layout import local_pieces, parse_spec
 from ..tmformat.stream import TensorSpec, write_file
 from ..tmformat.writer import Piece, SaveTransaction
@@ -151,7 +159,7 @@ def convert(source: str | Path | Checkpoint, destination: str | Path, *, to: str
                     progress(block.nbytes)
 
         if to == "safetensors":
-            result = _to_safetensors(ck, Path(output), specs, blocks, max_shard_size)
+            result = _to_safetensors(ck, output, specs, blocks, max_shard_size)
         else:
             result = _to_tensormorph(ck, output, specs, blocks, mesh_shape, tuple(placements), redundancy)
         if check:
@@ -161,12 +169,13 @@ def convert(source: str | Path | Checkpoint, destination: str | Path, *, to: str
 
 
 def _checked_url(url: str, to: str) -> str:
-    """A URL to convert into: the Tensormorph format only (its writer commits on object stores by the manifest's
-    PUT), and a prefix holding no checkpoint yet."""
-    if to != "tensormorph":
-        raise UnsupportedError(f"convert --to {to} writes a local folder; --to tensormorph also writes to a URL",
-                               file=url)
-    if as_path(url).exists():
+    """A URL to convert into: an object store's (HTTP is read-only here), under a prefix holding nothing yet."""
+    path = as_path(url, cache=False)
+    assert isinstance(path, RemotePath)  # a URL
+    if path.remote.is_http:
+        raise UnsupportedError(f"convert --to {to} writes to an object store (s3://, gs://, az://, ...) or a local "
+                               "folder; HTTP is read-only here", file=url)
+    if path.exists():
         raise CheckpointError("destination already holds objects; choose a new prefix", file=url)
     return url
 
@@ -192,32 +201,75 @@ def _checked_destination(destination: str | Path) -> Path:
     return path
 
 
-def _to_safetensors(ck: Checkpoint, destination: Path, specs: list[TensorSpec],
+def _to_safetensors(ck: Checkpoint, destination: Path | str, specs: list[TensorSpec],
                     blocks: Callable[[TensorSpec], Iterator[np.ndarray]], max_shard_size: int | str) -> ConvertResult:
     limit = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     shards = plan_shards(specs, limit)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
+    files = [(name, [(spec, blocks(spec)) for spec in shard]) for name, shard in zip(names, shards)]
+    index = None
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
+                 "weight_map": {spec.name: name for name, shard in zip(names, shards) for spec in shard}}
+    if isinstance(destination, str):
+        written = _upload_safetensors(destination, files, index)
+        return ConvertResult(destination, names, len(specs), written, skipped_objects=list(ck.objects))
     staging = destination.parent / f".{destination.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         staging.mkdir()
     except OSError as exc:  # a folder we may not write in
         raise CheckpointError(f"cannot create the output folder: {exc.strerror or exc}", file=str(destination)) \
             from None
-    written = 0
     try:
-        for name, shard in zip(names, shards):
-            written += write_file(staging / name, [(spec, blocks(spec)) for spec in shard], {"format": "pt"})
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
-                     "weight_map": {spec.name: name for name, shard in zip(names, shards) for spec in shard}}
-            with create_new(staging / "model.safetensors.index.json") as f:
-                f.write((json.dumps(index, indent=2) + "\n").encode())
+        written = _write_safetensors(staging, files, index, lambda path: None)
         _move_into_place(staging, destination)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return ConvertResult(destination, names, len(specs), written, skipped_objects=list(ck.objects))
+
+
+ShardFiles = list[tuple[str, list[tuple[TensorSpec, Iterator[np.ndarray]]]]]  # file name -> (tensor, its blocks)
+
+
+def _write_safetensors(folder: Path, files: ShardFiles, index: dict[str, Any] | None,
+                       done: Callable[[Path], None]) -> int:
+    """Write every shard, then the index (if any), into `folder`, calling `done` with each file once complete;
+    the bytes of tensor data written."""
+    written = 0
+    for name, tensors in files:
+        written += write_file(folder / name, tensors, {"format": "pt"})
+        done(folder / name)
+    if index is not None:
+        with create_new(folder / "model.safetensors.index.json") as f:
+            f.write((json.dumps(index, indent=2) + "\n").encode())
+        done(folder / "model.safetensors.index.json")
+    return written
+
+
+def _upload_safetensors(url: str, files: ShardFiles, index: dict[str, Any] | None) -> int:
+    """The safetensors folder written at URL `url`: each file uploaded once complete (and then deleted locally, so
+    the local disk holds one shard at a time), the index last; on failure what was uploaded is deleted."""
+    path = as_path(url, cache=False)
+    assert isinstance(path, RemotePath)  # checked by _checked_url
+    fs, uploaded = path.remote.fs, []
+
+    def upload(file: Path) -> None:
+        target = path / file.name
+        key = path.remote.path(target.url)
+        with_retries(lambda: fs.put_file(str(file), key), target.url, attempts=path.remote.attempts)
+        uploaded.append(key)
+        file.unlink()
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="tensormorph-convert-") as folder:
+            return _write_safetensors(Path(folder), files, index, upload)
+    except BaseException:
+        for key in reversed(uploaded):  # the index (uploaded last) first: no reader finds a partial folder
+            with contextlib.suppress(Exception):
+                fs.rm_file(key)
+        raise
 
 
 def _free(destination: Path) -> None:

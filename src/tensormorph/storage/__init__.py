@@ -83,13 +83,15 @@ def as_path(path: str | os.PathLike[str] | RemotePath, storage_options: dict[str
     return RemotePath.parse(os.fspath(path), options, remote_cache(defaults.cache if cache is None else cache))
 
 
-def remote_cache(option: str | os.PathLike[str] | bool) -> Any:
+def remote_cache(option: str | os.PathLike[str] | bool | Any) -> Any:
     """The range cache a remote checkpoint's reads go through: in folder `option`, in the default folder for True,
-    none for False."""
+    none for False; a RangeCache is used as it is (one made with its own `max_bytes` or `revalidate_after_s`)."""
     if option is False:
         return None
     from .range_cache import RangeCache, default_cache_folder  # needed only for remote checkpoints
 
+    if isinstance(option, RangeCache):
+        return option
     return RangeCache(default_cache_folder() if option is True else Path(option))
 
 

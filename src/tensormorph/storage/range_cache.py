@@ -7,6 +7,8 @@ Layout: `RangeCache(folder)` keeps everything in `folder/ranges-v1/`, flat, one 
     <h>.lock               flock'ed: shared to read the entry, exclusive to change or remove it; its mtime is the
                            entry's last use, for least-recently-used eviction
     <h>.index.<random>.tmp an index being written; renamed over <h>.index to publish it
+    <v>.version            what was last learnt of one URL's size and version, and when (known_versions.py): its
+                           own entry, evicted with the others, least recently written first
 
 <h> is the sha256 of the key (URL, size, version), so no file name comes from a URL, and a changed object (another
 ETag or mtime, another size) is another entry. Pieces are sorted, disjoint, and never cross a multiple of
@@ -48,6 +50,8 @@ import numpy as np
 
 from ..errors import CheckpointError, MissingFileError, TruncatedFileError, UnsafePathError
 from ..geometry import coalesce
+from .known_versions import SUFFIX as VERSION_SUFFIX
+from .known_versions import KnownVersions, default_revalidate_after_s
 from .local import NEW_FILE_FLAGS, create_new, open_regular, read_capped
 
 DEFAULT_MAX_BYTES = 10 * 1024**3  # room for the headers of many checkpoints and the regions a viewer looks at
@@ -104,10 +108,15 @@ def default_cache_folder() -> Path:
 class RangeCache:
     """Exact byte ranges of remote objects, cached on disk (see the module docstring for the layout)."""
 
-    def __init__(self, folder: str | Path, max_bytes: int = DEFAULT_MAX_BYTES):
+    def __init__(self, folder: str | Path, max_bytes: int = DEFAULT_MAX_BYTES, *,
+                 revalidate_after_s: float | None = None):
+        """`revalidate_after_s`: how long a mutable URL's cached version is trusted without asking (None:
+        $TENSORMORPH_REVALIDATE_S, else known_versions.REVALIDATE_AFTER_S)."""
         self.folder = Path(folder)
         self.dir = self.folder / _LAYOUT
         self.max_bytes = max_bytes
+        self.versions = KnownVersions(self.dir, default_revalidate_after_s() if revalidate_after_s is None
+                                      else revalidate_after_s)
         # bytes stored since the folder was last scanned, over what it held then: eviction scans the folder when the
         # two together could pass max_bytes, or when this process stored 1/SCAN_SHARE of it since (other processes
         # sharing the folder add to it unseen), not after every miss
@@ -178,6 +187,9 @@ class RangeCache:
     def clear(self) -> None:
         """Remove every entry (waiting for its readers and writers)."""
         for name, (_, _, files) in self._scan().items():
+            if _is_version_record(files):
+                self._remove(name, files)
+                continue
             lock = self._lock(name, fcntl.LOCK_EX)
             try:
                 self._remove(name, files)
@@ -345,7 +357,8 @@ class RangeCache:
                 st = item.stat(follow_symlinks=False)
                 held, used, files = entries.get(name, (0, 0, []))
                 files.append(item.name)
-                entries[name] = (held + st.st_blocks * 512, st.st_mtime_ns if kind == "lock" else used, files)
+                last_use = kind == "lock" or kind == VERSION_SUFFIX  # a record's last use is its last write
+                entries[name] = (held + st.st_blocks * 512, st.st_mtime_ns if last_use else used, files)
         return entries
 
     def _evict(self) -> None:
@@ -358,6 +371,10 @@ class RangeCache:
             if total <= self.max_bytes:
                 self._held_at_scan = total
                 return
+            if _is_version_record(files):  # replaced by rename, never locked: unlinked as it is
+                self._remove(name, files)
+                total -= held
+                continue
             try:
                 lock = self._lock(name, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -374,6 +391,11 @@ class RangeCache:
         order = {"index": 0, "data": 1, "lock": 3}
         for file in sorted(files, key=lambda file: order.get(file.partition(".")[2], 2)):
             _unlink(self.dir / file)
+
+
+def _is_version_record(files: list[str]) -> bool:
+    """Whether an entry's files are a URL's version record (and perhaps one being written), not cached bytes."""
+    return all(file.partition(".")[2].startswith(VERSION_SUFFIX) for file in files)
 
 
 def _read_checked(fd: int, pieces: _Pieces, k: int) -> bytes | None:

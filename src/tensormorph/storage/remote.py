@@ -16,32 +16,26 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, overload
 from urllib.parse import quote
 
 from ..errors import HeaderError, MissingFileError, TruncatedFileError, UnsafePathError, UnsupportedError
-from ..extras import require_for_url
 from ..geometry import coalesce
-from .first_read import first_read
 from .local import parse_json
-from .retry import MAX_ATTEMPTS, is_passing, status_of, with_retries
+from .remote_context import FIRST_READ, MAX_CONCURRENT_REQUESTS, Remote, version_of
+from .retry import with_retries
 
 Run = tuple[int, int]
 
 COALESCE_GAP = 64 * 1024  # runs closer than this may share a request: a request costs more than a small gap ...
 COALESCE_SLACK = 0.05  # ... as long as all the gaps fetched add at most this share of the bytes needed
-MAX_CONCURRENT_REQUESTS = 32  # ranged requests in flight at once, per read
+PART_BYTES = 8 * 1024**2  # a longer request is fetched as parallel parts this big: one stream runs at one
+# connection's pace, several share the link (and a failed part is fetched again alone, not the whole range)
 HEAD_BLOCK = 4096  # small reads of a lazily parsed file (a zip directory) fetch and keep aligned blocks this big
 HEAD_BLOCKS_KEPT = 256  # ... up to this many blocks per file (1 MiB)
-FIRST_READ = 64 * 1024  # a file's header is read with its first this many bytes: one request for most headers
-HEADS_KEPT_BYTES = 32 * 1024**2  # first reads kept (least recently used dropped first): 512 files' at most
 PREFETCH_WINDOW = 256  # files whose first reads are asked for at once, so what is kept stays under the cap
-HTTP_PROTOCOLS = ("http", "https")
-CONNECT_TIMEOUT_S = 30  # a connection not made in this long fails (and is retried)
-READ_TIMEOUT_S = 60  # a response that sends nothing for this long fails (and is retried)
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -51,130 +45,6 @@ def is_url(path: str | os.PathLike[str]) -> bool:
 def local_path(path: str | os.PathLike[str]) -> Path:
     """A local path, given plainly or as a file:// URL."""
     return Path(os.fspath(path).removeprefix("file://"))
-
-
-def _with_timeouts(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
-    """`options` with connect and read timeouts where the user set none: a stalled server fails the request (then
-    retried) instead of holding it for the client's default of minutes."""
-    if protocol in HTTP_PROTOCOLS and "timeout" not in options.get("client_kwargs", {}):
-        import aiohttp  # fsspec's HTTP client
-
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
-        return {**options, "client_kwargs": {**options.get("client_kwargs", {}), "timeout": timeout}}
-    if protocol in ("s3", "s3a") and "config_kwargs" not in options:
-        return {**options, "config_kwargs": {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S}}
-    return options
-
-
-@dataclass
-class Remote:
-    """What every store and path of one remote checkpoint shares: the file system client, what is known of each
-    object (size, version) and the range cache."""
-
-    fs: Any
-    protocol: str
-    cache: Any = None  # a RangeCache, or None to read straight from the server
-    infos: dict[str, dict[str, Any] | None] = field(default_factory=dict)
-    # the first FIRST_READ bytes of files, by URL: detection, headers and indexes read them once
-    heads: OrderedDict[str, bytes] = field(default_factory=OrderedDict)
-    listed: set[str] = field(default_factory=set)  # folder URLs listed whole: what is not in `infos` is absent
-    folders: set[str] = field(default_factory=set)  # folder URLs seen in listings
-    head_bytes: int = 0  # the bytes `heads` holds
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @classmethod
-    def for_url(cls, url: str, storage_options: dict[str, Any] | None = None, cache: Any = None) -> Remote:
-        fsspec = require_for_url(url, feature=f"reading {url}")
-        protocol = url.split("://", 1)[0].lower()
-        try:
-            fs, _ = fsspec.core.url_to_fs(url, **_with_timeouts(protocol, storage_options or {}))
-        except (ValueError, ImportError) as exc:  # an unknown protocol, or one whose package is missing
-            raise UnsupportedError(f"cannot open this URL: {exc}", file=url) from None
-        return cls(fs, protocol, cache)
-
-    @property
-    def is_http(self) -> bool:
-        return self.protocol in HTTP_PROTOCOLS
-
-    @property
-    def attempts(self) -> int:
-        """Tries per request: fsspec's HTTP client never retries; object-store clients (botocore, gcsfs) retry
-        passing failures themselves, so one more try of ours covers what they give up on, without multiplying."""
-        return MAX_ATTEMPTS if self.is_http else 2
-
-    def keep_head(self, url: str, data: bytes) -> None:
-        """Keep a file's first bytes, or all of a small one (HEADS_KEPT_BYTES in all, least recently used dropped
-        first)."""
-        with self.lock:
-            kept = self.heads.get(url)
-            if kept is None or len(kept) < len(data):  # a longer first read replaces a shorter one
-                self.heads[url] = data
-                self.head_bytes += len(data) - (len(kept) if kept is not None else 0)
-            while self.head_bytes > HEADS_KEPT_BYTES and len(self.heads) > 1:
-                self.head_bytes -= len(self.heads.popitem(last=False)[1])
-
-    def forget(self, prefix: str) -> None:
-        """Drop what is known of the objects under URL `prefix` (sizes, versions, first bytes, the client's listing
-        cache): for what changes while we watch, such as a training run's checkpoints."""
-        with self.lock:
-            for url in [u for u in self.infos if u.startswith(prefix)]:
-                del self.infos[url]
-            for url in [u for u in self.heads if u.startswith(prefix)]:
-                self.head_bytes -= len(self.heads.pop(url))
-            self.listed -= {u for u in self.listed if u.startswith(prefix)}
-            self.folders -= {u for u in self.folders if u.startswith(prefix)}
-        invalidate = getattr(self.fs, "invalidate_cache", None)
-        if invalidate is not None:
-            invalidate(self.path(prefix))
-
-    def path(self, url: str) -> str:
-        """What the fs calls the object at `url` (object stores drop the scheme; HTTP keeps the URL)."""
-        return str(self.fs._strip_protocol(url))  # fsspec's own spelling (memory:// keeps a leading "/")
-
-    def info(self, url: str, *, first: bool = True) -> dict[str, Any] | None:
-        """The object's size and version (None when there is no object there), asked once per URL. With `first`
-        (and a client that can), its first bytes come in the same request and are kept."""
-        if url in self.infos:
-            return self.infos[url]
-        if url.rpartition("/")[0] in self.listed:
-            return None  # its folder was listed whole, and it was not there
-
-        def ask() -> dict[str, Any] | None:
-            # with a range cache, the bytes come through it (keyed by the version a HEAD gives first)
-            wanted = first and self.cache is None
-            found_first = first_read(self.fs, self.protocol, self.path(url), FIRST_READ) if wanted else False
-            if found_first is None:
-                return None
-            if found_first is not False:  # the size and version came with the first bytes: no HEAD needed
-                body, info = found_first
-                self.keep_head(url, body)
-                return info
-            try:
-                found = self.fs.info(self.path(url))
-            except FileNotFoundError as exc:
-                # fsspec's HTTP client reports every failed HEAD as FileNotFoundError: only a 404 (or 410) is one
-                cause = exc.__cause__
-                if cause is not None and (status_of(cause) not in (None, 404, 410) or is_passing(cause)
-                                          or "Redirect" in type(cause).__name__):
-                    raise cause from None
-                return None
-            if found.get("type", "file") != "file":
-                return None
-            if found.get("size") is None:
-                raise UnsupportedError("the server does not say how large the object is (no Content-Length); "
-                                       "ranged reads need its size", file=url)
-            return found
-
-        found = with_retries(ask, url, attempts=self.attempts)
-        with self.lock:
-            self.infos[url] = found
-        return found
-
-
-def _version(info: dict[str, Any]) -> str:
-    # object stores give an ETag; other fsspec file systems a modification or creation time
-    return str(next((info[k] for k in ("ETag", "etag", "mtime", "LastModified", "Last-Modified", "created")
-                     if info.get(k)), ""))
 
 
 class RemoteFiles:
@@ -216,7 +86,7 @@ class RemoteFiles:
 
     def fingerprint(self, name: str) -> tuple[str, int, int | str]:
         info = self._info(name)
-        return self._url(name), int(info["size"]), _version(info)
+        return self._url(name), int(info["size"]), version_of(info)
 
     def exists(self, name: str) -> bool:
         return self.remote.info(self._url(name)) is not None
@@ -366,35 +236,47 @@ class RemoteFiles:
         for begin, end in runs:
             if not 0 <= begin <= end <= size:
                 raise TruncatedFileError(f"expected bytes [{begin}, {end}), but the object holds {size}", file=url)
-        version = _version(self._info(name))
+        version = version_of(self._info(name))
         if self.remote.cache is not None and version:  # without a version a changed object could not be told
             from .range_cache import ObjectKey  # the cache module is optional at run time: only used when set
 
             # the cache asks for its missing ranges already merged (within its own gap budget): fetched as they are
-            return list(self.remote.cache.read(ObjectKey(url, size, version), list(runs),
-                                               lambda missing: self._fetch(url, missing, merge=False)))
+            def fetch(missing: builtins.list[Run]) -> builtins.list[bytes]:
+                self.remote.confirm(url, size, version)
+                return self._fetch(url, missing, merge=False)
+
+            return list(self.remote.cache.read(ObjectKey(url, size, version), list(runs), fetch))
         return self._fetch(url, runs)
 
     def _fetch(self, url: str, runs: Sequence[Run], *, merge: bool = True) -> builtins.list[bytes]:
         """Each run's bytes, from the server: one request per coalesced range (`merge=False`: per run, overlapping
-        ones joined), MAX_CONCURRENT_REQUESTS at once; a range that fails is retried alone."""
+        ones joined), a long one split into parts of PART_BYTES, MAX_CONCURRENT_REQUESTS at once (through obstore
+        where the store has it, else fsspec); a request that fails is retried alone, through fsspec."""
         requests = coalesce(runs, COALESCE_GAP if merge else 0, COALESCE_SLACK)
         if not requests:
             return [b"" for _ in runs]
-        path = self.remote.path(url)
-        parts: list[Any] = with_retries(
-            lambda: self.fs.cat_ranges([path] * len(requests), [b for b, _ in requests], [e for _, e in requests],
+        pieces = [(p, min(p + PART_BYTES, end)) for begin, end in requests for p in range(begin, end, PART_BYTES)]
+        path, fast = self.remote.path(url), self.remote.fast
+        got: list[Any] = fast.fetch(path, pieces) if fast is not None and fast.usable() else with_retries(
+            lambda: self.fs.cat_ranges([path] * len(pieces), [b for b, _ in pieces], [e for _, e in pieces],
                                        on_error="return", batch_size=MAX_CONCURRENT_REQUESTS),
             url, attempts=self.remote.attempts)
+
         def one(begin: int, end: int) -> bytes:
             return bytes(self.fs.cat_file(path, start=begin, end=end))
 
-        for k, ((begin, end), part) in enumerate(zip(requests, parts)):
+        for k, ((begin, end), part) in enumerate(zip(pieces, got)):
             if isinstance(part, BaseException):
-                parts[k] = with_retries(partial(one, begin, end), url, attempts=self.remote.attempts, failed=part)
-            if len(parts[k]) != end - begin:
-                raise TruncatedFileError(f"asked for bytes [{begin}, {end}), the server sent {len(parts[k])} bytes",
+                got[k] = with_retries(partial(one, begin, end), url, attempts=self.remote.attempts, failed=part)
+            if len(got[k]) != end - begin:
+                raise TruncatedFileError(f"asked for bytes [{begin}, {end}), the server sent {len(got[k])} bytes",
                                          file=url)
+        parts: list[bytes] = []
+        position = 0
+        for begin, end in requests:
+            count = -(-(end - begin) // PART_BYTES)
+            parts.append(got[position] if count == 1 else b"".join(got[position:position + count]))
+            position += count
         starts = [b for b, _ in requests]
         out = []
         for begin, end in runs:

@@ -7,7 +7,8 @@ import posixpath
 from collections.abc import Iterator
 from typing import Any
 
-from .remote import Remote, RemoteFiles
+from .remote import RemoteFiles
+from .remote_context import Remote
 
 
 class RemotePath:

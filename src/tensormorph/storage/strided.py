@@ -1,4 +1,5 @@
-"""A region of a strided array stored in a file, read as ranged requests: one run of bytes per row, no more.
+"""A region of a strided array stored in a file, read as ranged requests: one run of bytes per row (rows that abut
+as one run), no more.
 
 Memory-mapped stores let numpy index the file; a remote store cannot, so the region's rows are fetched (coalesced
 by the store) and laid out by numpy from the fetched bytes. A row runs along the axis whose selected elements lie
@@ -51,7 +52,11 @@ def read_strided(files: ByteStore, name: str, offset: int, shape: tuple[int, ...
     starts = np.full(1, first, dtype=np.int64)
     for length, gap in zip(lengths[:row_axes], gaps[:row_axes]):  # every run's first byte, in the new axis order
         starts = np.add.outer(starts, np.arange(length, dtype=np.int64) * gap).ravel()
-    joined = b"".join(files.read_ranges(name, [(s, s + run) for s in starts.tolist()]))
+    # runs that abut (the rows of a block that spans whole rows) are asked for as one: one buffer comes back, which
+    # the result views without the copies that cutting it into rows and joining them again would cost
+    breaks = np.flatnonzero(np.diff(starts) != run) + 1
+    begins, ends = starts[np.r_[0, breaks]], starts[np.r_[breaks - 1, len(starts) - 1]] + run
+    joined = b"".join(files.read_ranges(name, list(zip(begins.tolist(), ends.tolist()))))
     if per_element:
         values = np.frombuffer(joined, dtype).reshape(lengths)
     else:

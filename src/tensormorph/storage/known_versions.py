@@ -1,0 +1,134 @@
+"""What the range cache last learnt of each remote object's size and version, so that a second open within a short
+time (or of a revision that cannot change) makes no request at all.
+
+A record per URL, `<cache>/ranges-v1/<sha256("version", url)>.version`, holds JSON {"url", "size", "version",
+"checked"} (or {"url", "missing": true, "checked"}), written to a new file then renamed over the old one, so a
+reader sees a whole record or none. Its mtime is its last write: the range cache's eviction counts and removes
+records with its entries, least recently written first.
+
+Trust, with a record at hand:
+  * a hub URL at a commit (`https://host/<repo>/resolve/<40 hex digits>/<file>`) names bytes that never change:
+    its record is trusted for ever, a missing file's too;
+  * any other URL's record is trusted for `revalidate_after_s` (REVALIDATE_AFTER_S, or $TENSORMORPH_REVALIDATE_S)
+    after it was checked; later the object's version is asked again, and its cached bytes serve if it is the same.
+A record trusted without asking is confirmed with the server before any byte of that object is fetched (the store
+does so): bytes of a newer version are never cached under an older one, and a checkpoint opened from cached
+headers never reads data of another version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError
+from .local import create_new, open_regular, read_capped
+
+REVALIDATE_AFTER_S = 60.0  # a mutable URL's version is trusted this long after it was checked: repeated commands
+# and the viewer's reopenings cost no request, and a changed object is seen at most this late
+REVALIDATE_ENV = "TENSORMORPH_REVALIDATE_S"  # overrides REVALIDATE_AFTER_S (seconds; 0 asks every time)
+MAX_RECORD_BYTES = 16 * 1024  # a record is a URL and three numbers: anything larger is not one of ours
+SUFFIX = "version"  # a record's file name: <64 hex digits>.version, beside the range cache's entries
+# a hub's resolve URL at a full commit hash: the files of a commit never change
+IMMUTABLE_URL = re.compile(r"^https?://[^?#]*/resolve/[0-9a-f]{40}/[^?#]+$")
+
+
+def default_revalidate_after_s() -> float:
+    """$TENSORMORPH_REVALIDATE_S when set (a number of seconds), else REVALIDATE_AFTER_S."""
+    value = os.environ.get(REVALIDATE_ENV)
+    if not value:
+        return REVALIDATE_AFTER_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise CheckpointError(f"{REVALIDATE_ENV}={value!r} is no number of seconds", file=REVALIDATE_ENV) from None
+    if not seconds >= 0:  # also refuses NaN
+        raise CheckpointError(f"{REVALIDATE_ENV}={value!r} is negative", file=REVALIDATE_ENV)
+    return seconds
+
+
+def is_immutable(url: str) -> bool:
+    """Whether `url` names bytes that never change: a hub file at a commit hash."""
+    return IMMUTABLE_URL.match(url) is not None
+
+
+@dataclass(frozen=True)
+class Known:
+    """What a record says of a URL: its info (None: no object there) and when that was last checked."""
+
+    info: dict[str, Any] | None
+    checked: float  # seconds since the epoch
+    immutable: bool
+
+
+class KnownVersions:
+    """The version records in a range cache's folder `folder` (see the module docstring)."""
+
+    def __init__(self, folder: Path, revalidate_after_s: float):
+        self.folder, self.revalidate_after_s = folder, revalidate_after_s
+
+    def _path(self, url: str) -> Path:
+        digest = hashlib.sha256(json.dumps(["version", url]).encode()).hexdigest()
+        return self.folder / f"{digest}.{SUFFIX}"
+
+    def trusted(self, url: str) -> Known | None:
+        """The record of `url` when it may be used without asking the server: at an immutable URL, or checked less
+        than `revalidate_after_s` ago (a missing object only at an immutable URL: one may appear any time)."""
+        known = self.lookup(url)
+        if known is None:
+            return None
+        if known.immutable:
+            return known
+        age = time.time() - known.checked
+        return known if known.info is not None and 0 <= age < self.revalidate_after_s else None
+
+    def lookup(self, url: str) -> Known | None:
+        """The record of `url`, however old; None when there is none (or it is damaged, or not a regular file)."""
+        try:
+            fd = open_regular(self._path(url), follow=False)
+        except CheckpointError:
+            return None
+        try:
+            raw = read_capped(fd, MAX_RECORD_BYTES)
+        finally:
+            os.close(fd)
+        try:
+            record = json.loads(raw or b"")
+            if record["url"] != url:
+                return None
+            checked = float(record["checked"])
+            if record.get("missing"):
+                return Known(None, checked, is_immutable(url))
+            info = {"name": url, "type": "file", "size": int(record["size"]), "ETag": str(record["version"])}
+        except (ValueError, KeyError, TypeError):
+            return None
+        return Known(info, checked, is_immutable(url))
+
+    def remember(self, url: str, info: dict[str, Any] | None, version: str) -> None:
+        """Record what the server just said of `url`: `info` with its `version`, or None for no object."""
+        if info is not None and not version:
+            return  # without a version the cache is bypassed: nothing to trust
+        record: dict[str, Any] = {"url": url, "checked": time.time()}
+        record.update({"missing": True} if info is None else {"size": int(info["size"]), "version": version})
+        target = self._path(url)
+        temporary = target.with_name(f"{target.name}.{secrets.token_hex(8)}.tmp")
+        try:
+            with create_new(temporary) as f:
+                f.write(json.dumps(record).encode())
+            os.replace(temporary, target)  # replaces a planted link itself, never its target
+        except (OSError, CheckpointError):  # a full or read-only disk costs a request next time, nothing more
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+
+    def forget(self, url: str) -> None:
+        """Drop the record of `url` (it was found changed)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(url))
