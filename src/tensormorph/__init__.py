@@ -21,12 +21,13 @@ from .ops.convert import convert
 from .ops.diff import diff
 from .ops.history import history
 from .ops.verify import verify
+from .pictures import diff_heatmap, heatmap
 from .storage import remote_options
 from .version import __version__ as __version__
 
 __all__ = [
     "Checkpoint", "CheckpointError", "Chunk", "DEFAULT_READ_BUDGET", "LogicalTensor", "ObjectEntry", "Placement",
-    "convert", "detect", "diff", "history", "open", "remote_options", "verify",
+    "convert", "detect", "diff", "diff_heatmap", "heatmap", "history", "open", "remote_options", "verify",
 ]  # save, load and plan load on first use (torch for the first two) and stay out of `import *`
 
 

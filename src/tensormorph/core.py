@@ -293,6 +293,10 @@ class LogicalTensor:
                   for c in self.chunks]
         return replace(self, read_budget=budget, chunks=tuple(chunks))
 
+    def _repr_html_(self) -> str:  # notebooks: a layer above (pyproject's ignore_imports says why)
+        from .notebook import tensor_html
+        return tensor_html(self)
+
 
 PARTIAL_BLOCK_BYTES = 16 << 20
 """A Partial tensor's contributions are folded into a read's result in row blocks of about this size, so the
@@ -435,6 +439,10 @@ class Checkpoint(Mapping[str, LogicalTensor]):
 
     def __repr__(self) -> str:
         return f"<Checkpoint {self.format} {str(self.path)!r}: {len(self.tensors)} tensors, {human_bytes(self.nbytes)}>"
+
+    def _repr_html_(self) -> str:  # notebooks: a layer above (pyproject's ignore_imports says why)
+        from .notebook import checkpoint_html
+        return checkpoint_html(self)
 
 
 def near_names(name: str, forward: list[str], backward: list[str], count: int = 3) -> list[str]:

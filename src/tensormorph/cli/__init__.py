@@ -14,6 +14,7 @@ from .convert import convert_command
 from .history import history_command
 from .integrity import repair_command, verify_command
 from .output import parse_storage_options
+from .pictures import heatmap_command
 from .plan import plan_command
 from .rollback import rollback_command
 from .tensors import inspect, show, stats
@@ -39,7 +40,7 @@ def main(ctx: click.Context, storage_options: tuple[str, ...], cache_dir: str | 
 
 
 for _command in (inspect, show, stats, diff_command, verify_command, repair_command, convert_command, view_command,
-                 plan_command, list_command, tiers_command, history_command, rollback_command):
+                 plan_command, list_command, tiers_command, history_command, rollback_command, heatmap_command):
     main.add_command(_command)
 
 __all__ = ["main"]

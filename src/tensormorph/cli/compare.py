@@ -24,19 +24,34 @@ _STATUS_STYLE = {"equal": "[green]equal[/green]", "close": "[green]close[/green]
 @click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance (times |b|).")
 @click.option("--rename", "renames", multiple=True,
               help="Align names on both sides: 'PREFIX=NEW' (e.g. 'model.=' strips model.) or 're:PATTERN=REPL'.")
+@click.option("--transpose", "transposes", multiple=True,
+              help="Transpose side a's tensors whose name (after renaming) matches: 're:.*kernel$' swaps 2-D ones, "
+                   "'re:PATTERN=3,2,0,1' permutes 4-D ones; 'b:' for side b.")
+@click.option("--rules", "rule_sets", multiple=True,
+              help="A rule set applied before --rename: 'flax-torch' (Flax vs transformers' torch naming) or a JSON "
+                   "file of {\"rename\": ...} and {\"transpose\": ...} rules.")
 @click.option("--all", "show_all", is_flag=True, help="List equal tensors too.")
 @click.option("--common-only", is_flag=True,
               help="Compare only names both sides hold (weights vs a training checkpoint).")
+@click.option("--heatmap", "heatmap_name", default=None, metavar="NAME",
+              help="Instead of the table, draw a − b of tensor NAME into the picture -o names (PNG or SVG).")
+@click.option("-o", "--output", default=None, type=click.Path(dir_okay=False), help="The picture --heatmap draws.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @fails_cleanly
-def diff_command(a: str, b: str, atol: float, rtol: float, renames: tuple[str, ...], show_all: bool,
-                 common_only: bool, as_json: bool) -> None:
+def diff_command(a: str, b: str, atol: float, rtol: float, renames: tuple[str, ...], transposes: tuple[str, ...],
+                 rule_sets: tuple[str, ...], show_all: bool, common_only: bool, heatmap_name: str | None,
+                 output: str | None, as_json: bool) -> None:
     """Compare the logical tensors of two checkpoints (exit 0 same, 1 different, 2 error)."""
+    if (heatmap_name is None) != (output is None):
+        raise click.UsageError("--heatmap NAME and -o FILE go together")
+    if heatmap_name is not None and output is not None:
+        _draw_difference(a, b, heatmap_name, output, as_json)
+        return
     with (open_checkpoint(a) as ck_a, open_checkpoint(b) as ck_b,
           byte_progress("diff", ck_b.nbytes, enabled=not as_json) as progress):
         task = progress.add_task("diff", total=ck_b.nbytes)
-        report = diff(ck_a, ck_b, atol=atol, rtol=rtol, rename=list(renames), common_only=common_only,
-                      progress=lambda n: progress.advance(task, n))
+        report = diff(ck_a, ck_b, atol=atol, rtol=rtol, rename=list(renames), transpose=list(transposes),
+                      rules=list(rule_sets), common_only=common_only, progress=lambda n: progress.advance(task, n))
     if as_json:
         print_json(report.to_dict())
         sys.exit(0 if report.identical else 1)
@@ -57,12 +72,26 @@ def diff_command(a: str, b: str, atol: float, rtol: float, renames: tuple[str, .
     for o in report.objects:
         if o.status != "equal":
             console.print(f"object [bold]{escape(o.name)}[/bold]: {o.status} {escape(o.detail)}", highlight=False)
-    if report.renames:
-        console.print(f"[dim]rename rules: {escape(', '.join(report.renames))}[/dim]")
+    if report.renames:  # as given: a rule set by its name, not the rules it holds
+        console.print(f"[dim]rules: {escape(', '.join([*rule_sets, *renames, *transposes]))}[/dim]")
     counts = ", ".join(f"{n} {status}" for status, n in report.counts.items())
     verdict = "[green]same[/green]" if report.identical else "[red]different[/red]"
     console.print(f"{verdict}: {len(report.tensors)} tensors compared ({counts}); atol={atol} rtol={rtol}")
     sys.exit(0 if report.identical else 1)
+
+
+def _draw_difference(a: str, b: str, name: str, output: str, as_json: bool) -> None:
+    """The viewer's diff heatmap of a − b for one tensor, as a picture (pictures.py)."""
+    from ..pictures import diff_heatmap, picture_path
+
+    picture_path(output)  # a wrong suffix fails before any tensor is read
+    picture = diff_heatmap(a, b, name)
+    written = picture.save(output)
+    if as_json:
+        print_json({"output": str(written), "title": picture.title, "cmap": picture.cmap, "norm": picture.scale.mode,
+                    "lo": picture.scale.lo, "hi": picture.scale.hi})
+        return
+    console.print(f"wrote {escape(str(written))}: {escape(picture.title)}", highlight=False)
 
 
 def _shape(shape: tuple[int, ...] | None) -> str:

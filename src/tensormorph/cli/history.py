@@ -10,8 +10,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..ops.history import CheckpointRecord, History, history
+from ..pictures import drift_heatmap, picture_path
 from ..units import human_bytes
 from .output import CheckpointPath, console, errors, fails_cleanly, number, print_json
+from .pictures import parse_size, picture_options
 
 SPARK = "▁▂▃▄▅▆▇█"
 STATUS_STYLE = {"committed": "green", "incomplete": "yellow", "damaged": "bold red", "abandoned": "dim"}
@@ -27,24 +29,38 @@ MAX_METRICS_SHOWN = 4  # metrics per row in the table (--json has them all)
               help="Keep the drift cache in this folder instead of the run's folder.")
 @click.option("--top", "top", type=click.IntRange(min=0), default=5, show_default=True,
               help="How many of the most-moved layers to list.")
+@click.option("-o", "--output", "output", type=click.Path(dir_okay=False), default=None,
+              help="Also draw the drift as a picture (.png or .svg): a row per layer, a column per checkpoint.")
+@picture_options
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @fails_cleanly
 def history_command(run: str, sample: int | None, no_cache: bool, cache_dir: str | None, top: int,
-                    as_json: bool) -> None:
+                    output: str | None, cmap: str | None, norm: str | None, size_text: str, as_json: bool) -> None:
     """RUN's checkpoints in order (a Checkpointer root, or any folder of checkpoints): step, time, size, status by
     a quick verify, the metrics the run saved, and each one's drift from the one before, per layer
     (‖Δ‖/‖w‖, streamed), with the layers that moved most and the first NaN or infinity of each tensor."""
+    size = parse_size(size_text)
+    if output is not None:
+        picture_path(output)  # a wrong suffix fails before the run is read
     with Progress(TextColumn("comparing checkpoints"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=errors, transient=True, disable=as_json or not errors.is_terminal) as bar:
         task = bar.add_task("pairs", total=None)
         result = history(run, sample=sample, cache=not no_cache, cache_dir=cache_dir,
                          progress=lambda done, total: bar.update(task, completed=done, total=total))
+    written = None
+    if output is not None:
+        picture = drift_heatmap(result, cmap=cmap or "viridis", norm=norm or "linear", size=size)
+        written = str(picture.save(output))
     if as_json:
         data = result.to_dict()
         data["most_moved"] = [list(m) for m in result.most_moved(top)]
+        if written is not None:
+            data["picture"] = written
         print_json(data)
         return
     _print(result, top)
+    if written is not None:
+        console.print(f"wrote {escape(written)}: drift per layer (rows) and checkpoint (columns)", highlight=False)
 
 
 def _print(result: History, top: int) -> None:

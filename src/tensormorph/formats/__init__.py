@@ -23,6 +23,7 @@ from . import (
     dcp_safetensors,
     deepspeed,
     deepspeed_universal,
+    flax_msgpack,
     gguf,
     hf_sharded,
     megatron,
@@ -44,6 +45,7 @@ READERS: tuple[FormatReader, ...] = (
     safetensors,
     gguf,  # after the Hugging Face layouts: a model folder often holds a .gguf export beside them
     orbax,
+    flax_msgpack,  # a *.msgpack file, or a folder holding only one (after the HF layouts: an HF Flax folder)
     torch_pickle,
 )
 BY_NAME: dict[str, FormatReader] = {reader.NAME: reader for reader in READERS}

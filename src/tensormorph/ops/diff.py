@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
@@ -30,6 +31,10 @@ from .object_diff import ObjectDiff, compare_objects
 from .stats import check_scannable
 
 DEFAULT_BLOCK_BYTES = 64 * 1024**2
+# with a remote side: small blocks, many read ahead at once. Memory stays near (1 + REMOTE_BLOCKS_AHEAD) blocks of
+# each side per tensor compared, while enough requests are in flight to hide the round trips
+REMOTE_BLOCK_BYTES = 4 * 1024**2
+REMOTE_BLOCKS_AHEAD = 1  # blocks of each side read ahead of the one compared (reads in flight per side and tensor)
 
 STATUS_ORDER = ("different", "shape_mismatch", "dtype_mismatch", "only_a", "only_b", "close", "equal")
 """Worst first: the order of the report table."""
@@ -92,6 +97,10 @@ class DiffReport:
                 "tensors": [t.to_dict() for t in self.tensors],
                 "objects": [asdict(o) for o in self.objects]}
 
+    def _repr_html_(self) -> str:  # notebooks: a layer above (pyproject's ignore_imports says why)
+        from ..notebook import diff_html
+        return diff_html(self)
+
 
 @dataclass(frozen=True)
 class NameRule:
@@ -143,8 +152,9 @@ def aligned_names(names: Sequence[str], rules: Sequence[NameRule], side: str) ->
 
 def diff(a: str | Path | Checkpoint, b: str | Path | Checkpoint, *, atol: float = 0.0, rtol: float = 0.0,
          names: Sequence[str] | None = None, rename: Sequence[str] | None = None, cast: str | None = None,
-         objects: bool = True, common_only: bool = False, block_bytes: int = DEFAULT_BLOCK_BYTES,
-         threads: int = 2, progress: Callable[[int], None] | None = None) -> DiffReport:
+         objects: bool = True, common_only: bool = False, block_bytes: int | None = None,
+         threads: int = 2, progress: Callable[[int], None] | None = None, transpose: Sequence[str] | None = None,
+         rules: str | Sequence[Any] | None = None) -> DiffReport:
     """Compare the logical tensors (and non-tensor entries) of two checkpoints.
 
     `names` limits the comparison to these aligned names; `rename` holds rules applied to the
@@ -152,14 +162,26 @@ def diff(a: str | Path | Checkpoint, b: str | Path | Checkpoint, *, atol: float 
     prefix limits a rule to one side); `cast` converts
     side a's floating-point values to that dtype before comparing (to check a conversion exactly);
     `objects=False` compares tensors only; `common_only=True` leaves out what only one side holds
-    (a training checkpoint's optimizer state against a weights-only export).
+    (a training checkpoint's optimizer state against a weights-only export). Tensors are read in blocks of about
+    `block_bytes` (as float64; by default DEFAULT_BLOCK_BYTES, or REMOTE_BLOCK_BYTES with a remote side, whose
+    blocks are read REMOTE_BLOCKS_AHEAD ahead).
     `progress` receives the number of bytes of side b compared so far, in increments.
+    `rules` (a rule set: 'flax-torch', a JSON rule file, or parsed rules), then `rename`, then `transpose` (rules
+    that permute side a's tensors whose aligned name matches: 're:.*kernel$' swaps 2-D ones) align the two sides
+    (ops/rules.py).
     """
-    rules = [parse_rename(r) for r in rename or ()]
+    name_rules, steps = [parse_rename(r) for r in rename or ()], None
+    if transpose or rules:  # each side seen through the rules (ops.rules builds on this module's rename rules)
+        from .rules import aligned_view, rule_list
+        name_rules, steps = [], rule_list(rules, rename, transpose)
     with ExitStack() as stack:
         ck_a, ck_b = opened(a, stack), opened(b, stack)
-        report = _diff(ck_a, ck_b, rules, atol=atol, rtol=rtol, names=names, cast=cast, objects=objects,
+        if steps is not None:
+            ck_a, ck_b = aligned_view(ck_a, steps, "a"), aligned_view(ck_b, steps, "b")
+        report = _diff(ck_a, ck_b, name_rules, atol=atol, rtol=rtol, names=names, cast=cast, objects=objects,
                        block_bytes=block_bytes, threads=threads, progress=progress)
+    if steps is not None:
+        report.renames = [step.text for step in steps]
     if common_only:
         report.tensors = [t for t in report.tensors if t.status not in ("only_a", "only_b")]
         report.objects = [o for o in report.objects if o.status not in ("only_a", "only_b")]
@@ -167,18 +189,20 @@ def diff(a: str | Path | Checkpoint, b: str | Path | Checkpoint, *, atol: float 
 
 
 def _diff(ck_a: Checkpoint, ck_b: Checkpoint, rules: list[NameRule], *, atol: float, rtol: float,
-          names: Sequence[str] | None, cast: str | None, objects: bool, block_bytes: int, threads: int,
+          names: Sequence[str] | None, cast: str | None, objects: bool, block_bytes: int | None, threads: int,
           progress: Callable[[int], None] | None) -> DiffReport:
     map_a, map_b = aligned_names(list(ck_a), rules, "a"), aligned_names(list(ck_b), rules, "b")
     wanted = list(dict.fromkeys([*map_a, *map_b])) if names is None else list(names)
     report = DiffReport(str(ck_a.path), str(ck_b.path), atol, rtol, [r.text for r in rules])
     remote = any(ck.storage is not None and not ck.storage.mappable for ck in (ck_a, ck_b))
+    if block_bytes is None:
+        block_bytes = REMOTE_BLOCK_BYTES if remote else DEFAULT_BLOCK_BYTES
 
     def compare(name: str) -> TensorDiff:
         ta = ck_a[map_a[name]] if name in map_a else None
         tb = ck_b[map_b[name]] if name in map_b else None
         return compare_tensors(name, ta, tb, atol=atol, rtol=rtol, cast=cast, block_bytes=block_bytes,
-                               progress=progress, read_ahead=remote)
+                               progress=progress, read_ahead=REMOTE_BLOCKS_AHEAD if remote else 0)
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         report.tensors = list(pool.map(compare, wanted))
@@ -195,9 +219,9 @@ def _severity(t: TensorDiff) -> tuple:
 
 def compare_tensors(name: str, a: LogicalTensor | None, b: LogicalTensor | None, *, atol: float = 0.0,
                     rtol: float = 0.0, cast: str | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                    progress: Callable[[int], None] | None = None, read_ahead: bool = False) -> TensorDiff:
-    """Compare two logical tensors block by block (either may be missing); `read_ahead` reads the next block of
-    both sides while one is compared (worth it when a side is remote)."""
+                    progress: Callable[[int], None] | None = None, read_ahead: int = 0) -> TensorDiff:
+    """Compare two logical tensors block by block (either may be missing); `read_ahead` blocks of both sides are
+    read while one is compared (worth it when a side is remote)."""
     if a is None or b is None:
         if a is not None:
             return TensorDiff(name, "only_a", name_a=a.name, dtype_a=a.dtype, shape_a=a.shape)
@@ -255,27 +279,30 @@ class _Sides(TypedDict):
 
 
 def _blocks_ahead(a: LogicalTensor, b: LogicalTensor, boxes: list[tuple[slice, ...]], cast: np.dtype | None,
-                  read_ahead: bool) -> Iterator[tuple[tuple[slice, ...], np.ndarray, np.ndarray]]:
-    """(box, a's block, b's block) in order. With `read_ahead` (a remote side), both sides of the next box are read
-    while this one is compared: the reads wait on round trips, the comparing on the CPU, so the two overlap."""
+                  read_ahead: int) -> Iterator[tuple[tuple[slice, ...], np.ndarray, np.ndarray]]:
+    """(box, a's block, b's block) in order. With `read_ahead` > 0 (a remote side), both sides of that many next
+    boxes are being read while one is compared: the reads wait on round trips, the comparing on the CPU, so they
+    overlap, and several reads in flight hide each other's latency."""
     if not read_ahead or len(boxes) < 2:  # nothing to overlap: no threads for the many small tensors
         for box in boxes:
             yield box, _read(a, box, cast), b.read(box)
         return
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        def submit(box: tuple[slice, ...]) -> tuple[Future[np.ndarray], Future[np.ndarray]]:
-            return pool.submit(_read, a, box, cast), pool.submit(b.read, box)
+    with ThreadPoolExecutor(max_workers=2 * read_ahead) as pool:
+        pending: deque[tuple[Future[np.ndarray], Future[np.ndarray]]] = deque()
+        upcoming = iter(boxes)
 
-        ahead: tuple[Future[np.ndarray], Future[np.ndarray]] | None = submit(boxes[0])
-        for k, box in enumerate(boxes):
-            assert ahead is not None, "every box but the last submits the next"
-            current, ahead = ahead, (submit(boxes[k + 1]) if k + 1 < len(boxes) else None)
-            try:
+        def top_up() -> None:
+            for box in itertools.islice(upcoming, read_ahead + 1 - len(pending)):
+                pending.append((pool.submit(_read, a, box, cast), pool.submit(b.read, box)))
+
+        try:
+            for box in boxes:
+                top_up()
+                current = pending.popleft()
                 yield box, current[0].result(), current[1].result()
-            except GeneratorExit:  # the caller stopped early (a difference found): the read ahead is not needed
-                for future in ahead or ():
-                    future.cancel()
-                raise
+        finally:  # the caller stopped early (a difference found), or a read failed: the reads ahead are not needed
+            for future in itertools.chain.from_iterable(pending):
+                future.cancel()
 
 
 def _read(tensor: LogicalTensor, box: tuple[slice, ...], cast: np.dtype | None) -> np.ndarray:

@@ -140,6 +140,10 @@ class History:
                    [NonFinite(**n) for n in data["first_nonfinite"]], data["cache_file"], data["cache_hits"],
                    data["computed"], data["cache_error"])
 
+    def _repr_html_(self) -> str:  # notebooks: a layer above (pyproject's ignore_imports says why)
+        from ..notebook import history_html
+        return history_html(self)
+
 
 def history(run: str | os.PathLike[str], *, sample: int | None = None, cache: bool = True,
             cache_dir: str | os.PathLike[str] | None = None, threads: int = 2,

@@ -292,3 +292,6 @@ class Plan:
         """
         return load_plan(self, checkpoint, model, devices)
 
+    def _repr_html_(self) -> str:  # notebooks: a layer above (pyproject's ignore_imports says why)
+        from ..notebook import plan_html
+        return plan_html(self)
