@@ -10,8 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..planner import DeviceUsage, Plan, Workload, plan
-from ..planner.result import number_ranges
-from ..units import human_bytes
+from ..units import human_bytes, number_ranges
 from .output import CheckpointPath, console, fails_cleanly, print_json
 
 EMITTERS = ("llama.cpp", "vllm", "accelerate")

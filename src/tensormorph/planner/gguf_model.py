@@ -16,6 +16,7 @@ from typing import Any
 
 from ..core import Checkpoint
 from ..formats.gguf.quantized import QuantizedBlocks
+from ..units import number_ranges
 from .modelspec import ModelSpec, build_model
 from .spec import PlanError
 
@@ -82,7 +83,7 @@ def gguf_model(ck: Checkpoint, dtype: str | None, name: str) -> ModelSpec:
     held = sorted({int(m.group(1)) for n in shapes if (m := _LAYER.match(n))})
     if held != list(range(layers)):
         raise meta.fail(f"{meta.arch}.block_count is {layers}, the tensors hold blocks "
-                        f"{_ranges(held) or 'none'}")
+                        f"{number_ranges(tuple(held)) or 'none'}")
     if kv_heads > heads or heads % kv_heads:
         raise meta.fail(f"{heads} attention heads cannot share {kv_heads} KV heads evenly")
     embedding = shapes.get("token_embd.weight")
@@ -139,11 +140,3 @@ def _file_type(ck: Checkpoint, tensors: list[tuple[str, tuple[int, ...], str]]) 
     return max(counts, key=counts.__getitem__)
 
 
-def _ranges(numbers: list[int]) -> str:
-    runs: list[list[int]] = []
-    for n in numbers:
-        if runs and n == runs[-1][1] + 1:
-            runs[-1][1] = n
-        else:
-            runs.append([n, n])
-    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)

@@ -8,22 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from ..core import Checkpoint
-from ..units import human_bytes
+from ..units import human_bytes, number_ranges
 from .export import RuntimeCommand, accelerate_map, accelerate_settings, to_llama_cpp, to_vllm
 from .modelspec import ModelSpec
 from .runtime import load_plan
 from .spec import Device, PlanError, Workload, accelerate_device
-
-
-def number_ranges(numbers: tuple[int, ...]) -> str:
-    """'0-23' or '0-3, 9' for sorted numbers; '' when none."""
-    runs: list[list[int]] = []
-    for n in numbers:
-        if runs and n == runs[-1][1] + 1:
-            runs[-1][1] = n
-        else:
-            runs.append([n, n])
-    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import Checkpoint
-from ..units import human_bytes
+from ..units import human_bytes, number_ranges
 from .costs import activation_bytes, evaluate_pipeline, evaluate_tensor, unit_cost
 from .devices import parse_devices
 from .model import load_model
@@ -18,7 +18,7 @@ from .modelspec import ModelSpec
 from .offload import HOST_LINK_GBPS, HostSolver, HostSplit, host_index
 from .pipeline import PipelineSolver, Split
 from .quantize import smaller
-from .result import Bottleneck, DeviceUsage, Plan, QuantizedFit, Shortfall, number_ranges
+from .result import Bottleneck, DeviceUsage, Plan, QuantizedFit, Shortfall
 from .spec import DEFAULT_LINK_GBPS, ELEMENT_BYTES, HOST_TIER, Device, PlanError, Workload
 from .tensor import tensor_shares
 
