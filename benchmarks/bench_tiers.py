@@ -286,10 +286,12 @@ def _restarts(work: Path, remote: str) -> tuple[dict[str, list[list[dict[str, An
 
 def _release_memory(work: Path) -> None:
     """Remove what this run left in shared memory (the snapshots part 2 kept, any a failure left)."""
+    from tensormorph.train.manager import CheckpointManager
     from tensormorph.train.memory import run_folder
 
     for name in ("memory", "restart"):
-        folder = run_folder(work / name)
+        manager = CheckpointManager(work / name, None)  # the folder is named by the root and the run's id in it
+        folder = run_folder(manager.root, None, manager.run_id())
         shutil.rmtree(folder, ignore_errors=True)
         with contextlib.suppress(OSError):
             folder.parent.rmdir()  # the memory dir itself, when no other run uses it
