@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .core import DEFAULT_READ_BUDGET, Checkpoint, Chunk, LogicalTensor, ObjectEntry, Placement
 from .errors import CheckpointError
@@ -25,6 +25,9 @@ from .pictures import diff_heatmap, heatmap
 from .storage import remote_options
 from .version import __version__ as __version__
 
+if TYPE_CHECKING:  # the range cache loads only for remote checkpoints
+    from .storage.range_cache import RangeCache
+
 __all__ = [
     "Checkpoint", "CheckpointError", "Chunk", "DEFAULT_READ_BUDGET", "LogicalTensor", "ObjectEntry", "Placement",
     "convert", "detect", "diff", "diff_heatmap", "heatmap", "history", "open", "remote_options", "verify",
@@ -32,13 +35,15 @@ __all__ = [
 
 
 def open(path: str | Path, format: str | None = None, *, read_budget: int = DEFAULT_READ_BUDGET,
-         storage_options: dict[str, Any] | None = None, cache: str | Path | bool | None = None) -> Checkpoint:
+         storage_options: dict[str, Any] | None = None,
+         cache: str | Path | bool | RangeCache | None = None) -> Checkpoint:
     """Open a checkpoint file or folder of any supported format as one logical checkpoint.
 
     `path` is a local path or a URL: s3://, gs://, az://, memory:// (any fsspec protocol, with its
     `storage_options`: credentials, endpoint), or https:// to the file that names the others (docs/remote.md).
     Remote reads fetch only the byte ranges they need and keep them in the on-disk range cache (`cache`: its
-    folder, True or None for the default one, False for none).
+    folder, True or None for the default one, False for none, or a `RangeCache` made with its own size or
+    revalidation time).
 
     `format` forces a reader ("safetensors", "hf-sharded", "torch", "dcp", "dcp-safetensors",
     "tensormorph", "deepspeed", "deepspeed-universal", "megatron-torch-dist", "gguf", "orbax"); by default

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core import DEFAULT_READ_BUDGET, Checkpoint
 from ..errors import CheckpointError, MissingFileError, UnknownFormatError, UnsupportedError
@@ -33,6 +33,9 @@ from . import (
     torch_pickle,
 )
 from .contract import Detection, FormatReader
+
+if TYPE_CHECKING:  # the range cache loads only for remote checkpoints
+    from ..storage.range_cache import RangeCache
 
 READERS: tuple[FormatReader, ...] = (
     megatron,  # before dcp: the same files, with more to show
@@ -94,7 +97,7 @@ def reader_of(checkpoint: Checkpoint) -> FormatReader:
 
 def open_checkpoint(path: str | Path | RemotePath, format: str | None = None, *,
                     read_budget: int = DEFAULT_READ_BUDGET, storage_options: dict[str, Any] | None = None,
-                    cache: str | Path | bool | None = None) -> Checkpoint:
+                    cache: str | Path | bool | RangeCache | None = None) -> Checkpoint:
     """Open a checkpoint file or folder as one logical checkpoint (`tensormorph.open`).
 
     `path` is a local path or a URL (s3://, gs://, az://, memory://, https://, any fsspec protocol); fsspec's

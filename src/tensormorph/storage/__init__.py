@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..errors import CheckpointError
 from .local import (
@@ -30,6 +30,9 @@ from .local import (
 from .local import read_head as _read_local_head
 from .remote import PREFETCH_WINDOW, RangedBuffer, Remote, RemoteFiles, is_url, local_path
 from .remote_path import RemotePath
+
+if TYPE_CHECKING:  # loaded only for remote checkpoints
+    from .range_cache import RangeCache
 
 __all__ = ["MAX_JSON_VALUES", "NEW_FILE_FLAGS", "AnyPath", "Buffer", "ByteStore", "LocalFiles", "Remote",
            "RemoteFiles", "RemotePath", "as_path", "create_new", "entries", "is_url", "lexists", "local_path",
@@ -70,10 +73,10 @@ def remote_defaults() -> RemoteOptions:
 
 
 def as_path(path: str | os.PathLike[str] | RemotePath, storage_options: dict[str, Any] | None = None,
-            cache: str | os.PathLike[str] | bool | None = None) -> AnyPath:
+            cache: str | os.PathLike[str] | bool | RangeCache | None = None) -> AnyPath:
     """A local Path, or a RemotePath for a URL: fsspec's `storage_options` pass through to its client, and its reads
-    go through the range cache `cache` (a folder, True for the default one, False for none); either left None takes
-    the value `remote_options` set."""
+    go through the range cache `cache` (a folder, True for the default one, False for none, or a RangeCache); either
+    left None takes the value `remote_options` set."""
     if isinstance(path, RemotePath):
         return path
     if not is_url(path):
