@@ -118,3 +118,37 @@ def test_a_rollback_reaches_the_object_store(tmp_path, s3):
     assert (step, ckpt.resumed_from) == (2, "remote")  # not 4 or 6
     assert all(torch.equal(p, at[2][n]) for n, p in fresh.named_parameters())
     ckpt.close()
+
+
+def test_a_second_rollback_from_a_fresh_disk_keeps_the_stores_earlier_one(tmp_path):
+    """The object store's marker holds every rollback's abandoned checkpoints: a rollback run where the local disk
+    was lost (no local marker) must not bring them back."""
+    url = "memory://rollbacks/run"
+    remote = dict(remote=url, remote_every=1, remote_storage_options={})
+    at = _run(tmp_path, steps=range(1, 4), **remote)
+    roll_back(tmp_path / "run", 1, memory_dir=tmp_path / "shm", remote=url)
+    shutil.rmtree(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    roll_back(tmp_path / "run", 1, memory_dir=tmp_path / "shm", remote=url)
+    marker = read_marker(tmp_path / "run")  # the fresh local root's, merged with the store's
+    assert marker is not None and marker.abandoned == [(2, 2), (3, 3)] and marker.max_seq == 3
+    ckpt, step, fresh, _ = _resume(tmp_path, **remote)
+    assert (step, ckpt.resumed_from) == (1, "remote")  # not step 3
+    assert all(torch.equal(p, at[1][n]) for n, p in fresh.named_parameters())
+    ckpt.close()
+
+
+def test_a_rank_folder_planted_as_a_link_is_never_entered(tmp_path):
+    from tensormorph.train.manager import CheckpointManager
+    from tensormorph.train.memory import run_folder
+
+    _run(tmp_path, steps=range(1, 4))
+    victim = tmp_path / "victim" / "step-00000009"
+    victim.mkdir(parents=True)
+    (victim / "precious").write_text("keep")
+    manager = CheckpointManager(tmp_path / "run", None)
+    planted = run_folder(manager.root, tmp_path / "shm", manager.run_id()) / "elsewhere" / "rank-00007"
+    planted.parent.mkdir()
+    planted.symlink_to(victim.parent, target_is_directory=True)
+    roll_back(tmp_path / "run", 1, memory_dir=tmp_path / "shm")
+    assert (victim / "precious").read_text() == "keep"  # step 9 > 1, but behind a link: untouched

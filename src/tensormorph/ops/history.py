@@ -345,7 +345,7 @@ def _attach_saves(root: Path, records: list[CheckpointRecord]) -> None:
         lines = handle.read(MAX_SAVES_BYTES).splitlines()[1 if size > MAX_SAVES_BYTES else 0:]
     timings: dict[int, dict[str, Any]] = {}
     for line in lines:
-        with suppress(ValueError, TypeError, KeyError):  # a line cut by a crash, or not ours: skipped
+        with suppress(ValueError, TypeError, KeyError, RecursionError):  # a line cut by a crash, or not ours
             entry = json.loads(line)
             timings[int(entry["step"])] = entry
     for record in records:

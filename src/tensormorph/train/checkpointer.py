@@ -263,8 +263,12 @@ class Checkpointer:
             else:
                 timing.memory_s = time.perf_counter() - started
                 if self._peers is not None:
-                    self._peers.exchange(outcomes[self._save.rank].unwrap())
-                    timing.peer_s = time.perf_counter() - started
+                    peers, snapshot = self._peers, outcomes[self._save.rank].unwrap()
+                    copied = failures(self._save.everyone(lambda: peers.exchange(snapshot), label="peer copy: "))
+                    if copied:  # every rank learns it, and the disk tier still saves
+                        warnings.warn(f"peer copy of step {timing.step} failed: {copied[0]}", stacklevel=1)
+                    else:
+                        timing.peer_s = time.perf_counter() - started
         if "disk" in timing.tiers:
             tm_save(state, path if isinstance(path, Path) else str(path), process_group=self._save.group,
                     overwrite=True, extra=meta, redundancy=self.redundancy, storage_options=self.storage_options)
@@ -317,12 +321,11 @@ class Checkpointer:
         """After the first resume since a rollback every rank has forgotten the later snapshots: from now on
         snapshots past the rollback's step are this run's own again."""
         marker = read_marker(self.root)
-        if marker is None or marker.resumed:
+        if marker is None or marker.resumed or self._memory is None:  # without a memory tier nothing was forgotten
             return
         self._control.barrier()
-        if self._control.rank == 0:
-            write_marker(self.root, replace(marker, resumed=True))
-        self._control.barrier()
+        self._control.decide(lambda: write_marker(self.root, replace(marker, resumed=True)),
+                             "cannot update the rollback marker", self.root)
 
     # ---- tiers ----------------------------------------------------------------------------------------
 

@@ -42,7 +42,8 @@ from ..tmformat.reader import BoxReader
 from ..tmformat.writer import Piece, SaveTransaction
 from ..torch_arrays import as_numpy, cpu_contiguous, to_torch, vocabulary
 
-__all__ = ["DEFAULT_MEMORY_DIR", "MemoryTier", "RankSnapshots", "drop_later", "node_name", "run_folder", "survey"]
+__all__ = ["DEFAULT_MEMORY_DIR", "MemoryTier", "RankSnapshots", "drop_later", "node_name", "rank_folders", "run_folder",
+           "survey"]
 
 DEFAULT_MEMORY_DIR = f"/dev/shm/tensormorph-{os.getuid()}"  # one per user: others can neither read nor plant
 NODE_VARIABLE = "TENSORMORPH_NODE"  # names this process's node (tests simulate several nodes on one machine)
@@ -124,7 +125,8 @@ class MemoryTier:
             save.remove()
             raise
         for old in self.snapshots()[:-self.keep]:
-            discard_folder(old.path)
+            with contextlib.suppress(OSError):  # the new snapshot is committed: an old one that stays is no failure
+                discard_folder(old.path)
         return path
 
     def load(self, snapshot: Path, target: dict[str, Any], *, strict: bool = True) -> dict[str, Any]:
@@ -187,15 +189,34 @@ class MemoryTier:
 
 
 def drop_later(rank_folder: Path, step: int) -> int:
-    """Delete a rank folder's snapshots and held copies of steps after `step`; how many."""
+    """Delete a rank folder's snapshots and held copies of steps after `step`; how many. A folder that is a link
+    or another user's is never entered (anyone can plant one in /dev/shm); one that will not go stays, unharmed."""
     dropped = 0
-    for folder in [rank_folder, *rank_folder.glob("peer-*")]:
+    for folder in [rank_folder, *(p for p in sorted(rank_folder.glob("peer-*")) if _owned(p))]:
         for child in folder.glob("step-*"):
             match = _STEP.match(child.name)
             if match and int(match.group(1)) > step:
-                discard_folder(child)
-                dropped += 1
+                with contextlib.suppress(OSError):
+                    discard_folder(child)
+                    dropped += 1
     return dropped
+
+
+def rank_folders(folder: Path) -> list[Path]:
+    """The rank folders of a run's memory folder (`run_folder`), every level a real folder of this user's: a link
+    or another user's folder planted in the shared memory folder is never listed, entered or deleted through."""
+    if not (_owned(folder.parent) and _owned(folder)):
+        return []
+    return [rank for node in sorted(folder.iterdir()) if _owned(node)
+            for rank in sorted(node.glob("rank-*")) if _owned(rank)]
+
+
+def _owned(path: Path) -> bool:
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
 
 
 def _private_folder(folder: Path) -> None:
@@ -256,10 +277,10 @@ class RankSnapshots:
 def survey(folder: Path) -> list[RankSnapshots]:
     """Every rank's snapshots under a run's memory folder (`run_folder`), by node and rank."""
     found = []
-    for rank_folder in sorted(folder.glob("*/rank-*")):
+    for rank_folder in rank_folders(folder):
         snapshots = committed(rank_folder)
         copies = {int(held.name[5:]): committed(held) for held in sorted(rank_folder.glob("peer-*"))
-                  if HELD.match(held.name) and held.is_dir() and not held.is_symlink()}
+                  if HELD.match(held.name) and _owned(held)}
         nbytes = sum(_bytes_of(s.path) for s in [*snapshots, *(c for steps in copies.values() for c in steps)])
         found.append(RankSnapshots(rank_folder.parent.name, int(rank_folder.name[5:]),
                                    tuple(s.step for s in snapshots), nbytes, _locked(rank_folder / LOCK_FILE),

@@ -120,8 +120,10 @@ class PeerTier:
         group = self.collective.group
         if not self.collective.distributed:
             return
-        tables = _exchange_tables(group, {d: _table(folder) for d, folder in outgoing.items()}, list(incoming))
-        sending = {d: _pieces(_table(folder)) for d, folder in outgoing.items()}
+        announced = {d: _table(folder) for d, folder in outgoing.items()}  # what is sent is what was announced
+        tables = _exchange_tables(group, announced, list(incoming))
+        sending = {d: _pieces(table) for d, table in announced.items()}
+        unread: OSError | CheckpointError | None = None  # a piece this rank could not read: sent as zeros
         receiving = {s: _pieces(table) for s, table in tables.items()}
         send_buffers = {d: torch.empty(PEER_PIECE, dtype=torch.uint8) for d in outgoing}
         receive_buffers = {s: torch.empty(PEER_PIECE, dtype=torch.uint8) for s in incoming}
@@ -133,7 +135,11 @@ class PeerTier:
                     if piece < len(pieces):
                         name, offset, size = pieces[piece]
                         view = send_buffers[d][:size]
-                        _read_into(outgoing[d] / name, offset, view.numpy())
+                        try:
+                            _read_into(outgoing[d] / name, offset, view.numpy())
+                        except (OSError, CheckpointError) as exc:  # the receiver must not wait in vain; the
+                            view.zero_()                            # copy's checksums reject the zeros
+                            unread = unread or exc
                         requests.append(dist.isend(view, _global(group, d), group=group))
                 posted = [(s, pieces[piece]) for s, pieces in receiving.items() if piece < len(pieces)]
                 requests += [dist.irecv(receive_buffers[s][:size], _global(group, s), group=group)
@@ -143,6 +149,8 @@ class PeerTier:
                     writers[s].write(name, offset, receive_buffers[s][:size].numpy())
             for writer in writers.values():
                 writer.finish()
+            if unread is not None:
+                raise CheckpointError(f"a snapshot file could not be read while it was sent to a peer ({unread})")
         finally:
             for writer in writers.values():
                 writer.abandon()
@@ -208,7 +216,8 @@ class _Receiver:
         self.handles: dict[str, Any] = {}
         try:
             self.temporary.mkdir(parents=True)
-            self.handles = {name: create_new(self.temporary / name) for name, _ in table}
+            for name, _ in table:  # one at a time: those opened before a failure are closed by `abandon`
+                self.handles[name] = create_new(self.temporary / name)
         except OSError as exc:
             self.error = exc
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -25,7 +26,10 @@ def append_saves(root: Path, timings: Iterable[SaveTiming]) -> None:
                          "memory_s": t.memory_s, "peer_s": t.peer_s}) + "\n" for t in timings]
     if not lines:
         return
-    descriptor = os.open(root / SAVES_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o644)
+    # never through a link, and never waiting on a FIFO planted there: anything but a regular file is refused
+    descriptor = os.open(root / SAVES_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+                         | os.O_NONBLOCK, 0o644)
     with os.fdopen(descriptor, "a") as handle:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise OSError(f"{root / SAVES_FILE} is not a regular file")
         handle.write("".join(lines))

@@ -7,6 +7,7 @@ is touched for them); a rank uses its own, and another world size uses every ran
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -191,7 +192,12 @@ class Resumer:
         if not failed:
             target = filled["target"]
             if self._peers is not None:  # the buddies hold this step again: a copy never lags behind a resume
-                self._peers.exchange(snapshot)
+                tier = self._peers
+                copied = [o for o in self._control.everyone(lambda: tier.exchange(snapshot), label="peer copy: ")
+                          if not o.ok]
+                if copied:  # the resume stands; the next save copies again
+                    warnings.warn(f"giving the buddies step {choice.step} again failed: rank {copied[0].rank}: "
+                                  f"{copied[0].error}", stacklevel=1)
             for rank, position in enumerate(self._control.gather(target.get(f"data.rank{self._control.rank}"))):
                 target[f"data.rank{rank}"] = position  # every rank's, as a disk checkpoint holds them
             return self._apply(choice.path, outcomes[self._control.rank].unwrap(), target, model, given, scheduler,

@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, MissingFileError
+from ..errors import CheckpointError, MissingFileError, UnsafePathError
 from ..storage import AnyPath, RemotePath, create_new, open_regular
+from ..tmformat.manifest import TEMP_PREFIX
 
 __all__ = ["ROLLBACK_FILE", "RollbackMarker", "read_marker", "roll_back", "write_marker"]
 
@@ -39,34 +41,39 @@ class RollbackMarker:
 
     @property
     def _abandoned_set(self) -> set[tuple[int, int]]:
-        return {tuple(pair) for pair in self.abandoned}  # type: ignore[misc]
+        return set(self.abandoned)
 
 
 def read_marker(root: AnyPath) -> RollbackMarker | None:
     """The run's rollback marker, or None; a damaged one is an error naming it (it decides what resume sees)."""
+    where = f"{root}/{ROLLBACK_FILE}"
     try:
         if isinstance(root, RemotePath):
             fs, key = root.remote.fs, f"{root.remote.path(root.url)}/{ROLLBACK_FILE}"
             if not fs.exists(key):
                 return None
-            if fs.size(key) > MAX_MARKER_BYTES:
-                raise ValueError(f"larger than {MAX_MARKER_BYTES} bytes")
-            data = fs.cat_file(key)
+            data = fs.cat_file(key, start=0, end=MAX_MARKER_BYTES + 1)
         else:
-            descriptor = open_regular(root / ROLLBACK_FILE, follow=False)
+            path = Path(root) / ROLLBACK_FILE
+            if not os.path.lexists(path):
+                return None
+            descriptor = open_regular(path, follow=False)
             with os.fdopen(descriptor, "rb") as handle:
                 data = handle.read(MAX_MARKER_BYTES + 1)
-            if len(data) > MAX_MARKER_BYTES:
-                raise ValueError(f"larger than {MAX_MARKER_BYTES} bytes")
+        if len(data) > MAX_MARKER_BYTES:
+            raise ValueError(f"larger than {MAX_MARKER_BYTES} bytes")
         raw = json.loads(data)
         return RollbackMarker(int(raw["step"]), int(raw["seq"]),
                               [(int(s), int(q)) for s, q in raw["abandoned"]], int(raw["max_seq"]),
                               bool(raw["resumed"]))
-    except MissingFileError:
-        return None
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"the rollback marker is damaged ({exc}); fix or delete it", file=f"{root}/"
-                              f"{ROLLBACK_FILE}") from None
+    except UnsafePathError:
+        raise CheckpointError("the rollback marker is a link, which is not followed; replace it with the file or "
+                              "delete it", file=where) from None
+    except MissingFileError as exc:  # a folder or a device where the marker should be
+        raise CheckpointError(f"the rollback marker {exc.reason}; delete it", file=where) from None
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise CheckpointError(f"the rollback marker is damaged ({type(exc).__name__}: {str(exc)[:200]}); fix or "
+                              "delete it", file=where) from None
 
 
 def write_marker(root: AnyPath, marker: RollbackMarker) -> None:
@@ -75,11 +82,16 @@ def write_marker(root: AnyPath, marker: RollbackMarker) -> None:
     if isinstance(root, RemotePath):
         root.remote.fs.pipe_file(f"{root.remote.path(root.url)}/{ROLLBACK_FILE}", data)
         return
-    temporary = Path(root) / f".tmp-rollback-{uuid.uuid4().hex[:12]}"
-    with create_new(temporary) as handle:
-        handle.write(data)
-        os.fsync(handle.fileno())
-    os.replace(temporary, Path(root) / ROLLBACK_FILE)
+    temporary = Path(root) / f"{TEMP_PREFIX}rollback-{uuid.uuid4().hex[:12]}"  # swept if we die before the rename
+    try:
+        with create_new(temporary) as handle:
+            handle.write(data)
+            os.fsync(handle.fileno())
+        os.replace(temporary, Path(root) / ROLLBACK_FILE)
+    except OSError as exc:
+        with suppress(OSError):
+            temporary.unlink()
+        raise CheckpointError(f"cannot write the rollback marker: {exc.strerror or exc}", file=str(root)) from None
 
 
 def roll_back(root: str | os.PathLike[str], step: int, *, delete: bool = False,
@@ -89,7 +101,7 @@ def roll_back(root: str | os.PathLike[str], step: int, *, delete: bool = False,
     release this machine's memory snapshots of later steps, and (with `delete`) delete the abandoned checkpoints.
     Refused while a process of the run is alive. Returns what was done, as plain values."""
     from .manager import CheckpointManager  # the manager reads the marker this module writes
-    from .memory import drop_later, run_folder, survey
+    from .memory import drop_later, rank_folders, run_folder, survey
 
     managers = [CheckpointManager(root, None)]
     if remote is not None:
@@ -101,6 +113,7 @@ def roll_back(root: str | os.PathLike[str], step: int, *, delete: bool = False,
         raise CheckpointError("a process of the run is alive (its Checkpointer holds its memory snapshots); stop "
                               "the run before rolling it back", file=str(local.root))
     listed = [m.list() for m in managers]
+    befores = [marker for marker in (read_marker(m.root) for m in managers) if marker is not None]
     instances = [i for infos in listed for i in infos if i.step == step]
     if not instances:
         steps = sorted({i.step for infos in listed for i in infos})
@@ -108,20 +121,26 @@ def roll_back(root: str | os.PathLike[str], step: int, *, delete: bool = False,
                               file=str(local.root))
     target = max(instances, key=lambda i: i.seq)
     later = [(m, i) for m, infos in zip(managers, listed, strict=True) for i in infos if i.seq > target.seq]
-    before = read_marker(local.root)
+    # every earlier rollback's, whichever tier kept its marker (a fresh local root has none of them)
     marker = RollbackMarker(step, target.seq,
-                            sorted({*(before.abandoned if before else []), *((i.step, i.seq) for _, i in later)}),
-                            max([before.max_seq if before else 0, *(i.seq for infos in listed for i in infos)]))
+                            sorted({*(pair for b in befores for pair in b.abandoned),
+                                    *((i.step, i.seq) for _, i in later)}),
+                            max([*(b.max_seq for b in befores), *(i.seq for infos in listed for i in infos)]))
     for manager in managers:  # first: from here on no resume takes a later checkpoint
         write_marker(manager.root, marker)
     kept: list[str | None] = []
     for manager, info in later:
-        if delete:
-            manager.delete(info.path)
-            kept.append(None)
-        else:
-            kept.append(str(manager.abandon(info)))
-    released = sum(drop_later(rank_folder, step) for rank_folder in sorted(folder.glob("*/rank-*")))
+        try:
+            if delete:
+                manager.delete(info.path)
+                kept.append(None)
+            else:
+                kept.append(str(manager.abandon(info)))
+        except OSError as exc:  # the marker already leaves it out: say what could not be moved or deleted
+            raise CheckpointError(f"rolled back, but step {info.step} could not be "
+                                  f"{'deleted' if delete else 'set aside'}: {exc.strerror or exc}",
+                                  file=str(info.path)) from None
+    released = sum(drop_later(rank_folder, step) for rank_folder in rank_folders(folder))
     return {"run": str(root), "step": step, "seq": target.seq, "deleted": delete,
             "abandoned": [{"step": i.step, "seq": i.seq, "kept_at": path}
                           for (_, i), path in zip(later, kept, strict=True)],
