@@ -212,6 +212,11 @@ def test_svg_is_well_formed_and_holds_the_png(files, tmp_path):
     assert "linear · viridis · 0 … 1" in texts and "4" in texts  # the colour bar's ends and the axes' ends
     with pytest.raises(CheckpointError, match="name it .png or .svg"):
         picture.save(tmp_path / "odd.jpg")
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text("untouched")
+    (tmp_path / "planted.svg").symlink_to(elsewhere)
+    picture.save(tmp_path / "planted.svg")  # the link itself is replaced, never written through
+    assert elsewhere.read_text() == "untouched" and not (tmp_path / "planted.svg").is_symlink()
 
 
 def test_cli_heatmap_writes_png_and_svg_and_fails_in_one_line(files, tmp_path):

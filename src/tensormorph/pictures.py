@@ -29,6 +29,7 @@ from .formats import opened
 from .indexing import parse_index
 from .ops.history import History
 from .ops.tiles import AGGREGATES, MAX_PIXELS, Tile, View, tile
+from .storage import replace_file
 
 DEFAULT_SIZE = (1024, 1024)  # (width, height): the largest picture unless told, a page column at print resolution
 MIN_HEIGHT = 24  # pixels: a 1-D tensor (one row of pixels) is drawn as a strip at least this tall
@@ -119,7 +120,7 @@ class Heatmap:
         target = picture_path(path)
         data = self.to_png() if target.suffix.lower() == ".png" else self.to_svg().encode()
         try:
-            target.write_bytes(data)
+            replace_file(target, data)  # never written through a link planted at the name
         except OSError as exc:
             raise CheckpointError(f"cannot write the picture: {exc.strerror or exc}", file=str(target)) from None
         return target

@@ -15,14 +15,13 @@ import contextlib
 import gzip
 import os
 import threading
-import uuid
 from collections import OrderedDict
 from pathlib import Path
 
 import zstandard
 
 from .errors import CheckpointError
-from .storage import create_new, read_small
+from .storage import read_small, replace_file
 
 DISK_CACHE_BYTES = 256 * 1024**2  # default cap of the disk cache folder (`view --cache-size`)
 MEMORY_CACHE_BYTES = 64 * 1024**2  # tiles one viewer keeps in memory
@@ -113,15 +112,10 @@ class TileCache:
         path = self._path(key)
         if path is None or len(data) > self.disk_bytes * DISK_CACHE_SLACK:
             return
-        temporary = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with create_new(temporary) as f:
-                f.write(data)
-            os.replace(temporary, path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                temporary.unlink()
+            replace_file(path, data)
+        except OSError:  # a full or read-only disk: the tile stays in memory only
             return
         with self._lock:
             over = self._disk_used is None or self._disk_used + len(data) > self.disk_bytes

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import secrets
 import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +21,7 @@ import numpy as np
 from .. import dtypes
 from ..core import Checkpoint, LogicalTensor
 from ..errors import CheckpointError
-from ..storage import create_new, read_small
+from ..storage import read_small, replace_file
 from .diff import DEFAULT_BLOCK_BYTES, aligned_blocks
 from .stats import check_scannable
 
@@ -233,13 +230,8 @@ class DriftCache:
         kept = {k: v for k, v in self.entries.items() if k in self.used or set(k.split(">")[:2]) <= identities}
         data = json.dumps({"version": CACHE_VERSION, "pairs": dict(sorted(kept.items()))},
                           separators=(",", ":")).encode()
-        temporary = self.path.with_name(f"{self.path.name}.{secrets.token_hex(8)}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with create_new(temporary) as handle:
-                handle.write(data)
-            os.replace(temporary, self.path)  # replaces a link planted at the name itself, never its target
+            replace_file(self.path, data)
         except OSError as exc:
             self.error = f"{self.path}: {exc.strerror or exc}"
-            with suppress(OSError):
-                os.unlink(temporary)

@@ -26,6 +26,7 @@ from .local import (
     parse_json,
     read_capped,
     read_small,
+    replace_file,
 )
 from .local import read_head as _read_local_head
 from .remote import PREFETCH_WINDOW, RangedBuffer, Remote, RemoteFiles, is_url, local_path
@@ -37,7 +38,7 @@ if TYPE_CHECKING:  # loaded only for remote checkpoints
 __all__ = ["MAX_JSON_VALUES", "NEW_FILE_FLAGS", "AnyPath", "Buffer", "ByteStore", "LocalFiles", "Remote",
            "RemoteFiles", "RemotePath", "as_path", "create_new", "entries", "is_url", "lexists", "local_path",
            "open_regular", "parse_json", "prefetched", "probe", "read_capped", "read_head", "read_small",
-           "remote_cache", "remote_defaults", "remote_options", "store_at"]
+           "remote_cache", "replace_file", "remote_defaults", "remote_options", "store_at"]
 
 Run = tuple[int, int]  # [begin, end) byte offsets in one file
 AnyPath = Path | RemotePath  # a checkpoint's file or folder: local, or under a URL

@@ -23,14 +23,13 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from .local import create_new, open_regular, read_capped
+from .local import open_regular, read_capped, replace_file
 
 REVALIDATE_AFTER_S = 60.0  # a mutable URL's version is trusted this long after it was checked: repeated commands
 # and the viewer's reopenings cost no request, and a changed object is seen at most this late
@@ -118,15 +117,9 @@ class KnownVersions:
             return  # without a version the cache is bypassed: nothing to trust
         record: dict[str, Any] = {"url": url, "checked": time.time()}
         record.update({"missing": True} if info is None else {"size": int(info["size"]), "version": version})
-        target = self._path(url)
-        temporary = target.with_name(f"{target.name}.{secrets.token_hex(8)}.tmp")
-        try:
-            with create_new(temporary) as f:
-                f.write(json.dumps(record).encode())
-            os.replace(temporary, target)  # replaces a planted link itself, never its target
-        except (OSError, CheckpointError):  # a full or read-only disk costs a request next time, nothing more
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
+        # a full or read-only disk costs a request next time, nothing more
+        with contextlib.suppress(OSError, CheckpointError):
+            replace_file(self._path(url), json.dumps(record).encode())
 
     def forget(self, url: str) -> None:
         """Drop the record of `url` (it was found changed)."""

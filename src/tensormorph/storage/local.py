@@ -12,6 +12,7 @@ import errno
 import json
 import mmap
 import os
+import secrets
 import stat
 import threading
 from collections.abc import Sequence
@@ -43,6 +44,23 @@ NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
 def create_new(path: Path) -> BinaryIO:
     """A new file at `path`, open for writing (see NEW_FILE_FLAGS)."""
     return os.fdopen(os.open(path, NEW_FILE_FLAGS, 0o644), "wb")
+
+
+def replace_file(path: Path, data: bytes, *, durable: bool = False) -> None:
+    """Write `data` as the file `path` all at once: into a new file of a fresh name beside it (never through a
+    link), then renamed over `path`, which replaces a link planted at that name itself, never its target. A reader
+    never sees half of it; the temporary file goes when anything fails, and the OSError is raised."""
+    temporary = path.with_name(f"{path.name}.{secrets.token_hex(8)}.tmp")
+    try:
+        with create_new(temporary) as handle:
+            handle.write(data)
+            if durable:
+                os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 def open_regular(path: Path, *, follow: bool = True) -> int:

@@ -34,7 +34,6 @@ import fcntl
 import hashlib
 import json
 import os
-import secrets
 import stat
 import struct
 import threading
@@ -52,7 +51,7 @@ from ..errors import CheckpointError, MissingFileError, TruncatedFileError, Unsa
 from ..geometry import coalesce
 from .known_versions import SUFFIX as VERSION_SUFFIX
 from .known_versions import KnownVersions, default_revalidate_after_s
-from .local import NEW_FILE_FLAGS, create_new, open_regular, read_capped
+from .local import NEW_FILE_FLAGS, create_new, open_regular, read_capped, replace_file
 
 DEFAULT_MAX_BYTES = 10 * 1024**3  # room for the headers of many checkpoints and the regions a viewer looks at
 CRC_BLOCK = 64 * 1024  # pieces never cross a multiple of this: checking a cached read costs at most this per piece
@@ -294,10 +293,7 @@ class RangeCache:
         count = len(pieces.begins)
         body = b"".join([_HEAD.pack(_MAGIC, count), np.asarray(pieces.begins, "<i8").tobytes(),
                          np.asarray(pieces.ends, "<i8").tobytes(), np.asarray(pieces.crcs, "<u4").tobytes()])
-        temporary = self._path(name, f"index.{secrets.token_hex(8)}.tmp")
-        with create_new(temporary) as f:
-            f.write(body + _CRC.pack(crc32c.crc32c(body)))
-        os.replace(temporary, self._path(name, "index"))  # replaces a planted link itself, never its target
+        replace_file(self._path(name, "index"), body + _CRC.pack(crc32c.crc32c(body)))
 
     def _open_data(self, name: str, *, fresh: bool) -> BinaryIO:
         """The entry's data file for reading and writing; a new, empty one when `fresh` or when what is there is

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
-from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, MissingFileError, UnsafePathError
-from ..storage import AnyPath, RemotePath, create_new, open_regular
-from ..tmformat.manifest import TEMP_PREFIX
+from ..storage import AnyPath, RemotePath, open_regular, replace_file
 
 __all__ = ["ROLLBACK_FILE", "RollbackMarker", "read_marker", "roll_back", "write_marker"]
 
@@ -82,15 +79,9 @@ def write_marker(root: AnyPath, marker: RollbackMarker) -> None:
     if isinstance(root, RemotePath):
         root.remote.fs.pipe_file(f"{root.remote.path(root.url)}/{ROLLBACK_FILE}", data)
         return
-    temporary = Path(root) / f"{TEMP_PREFIX}rollback-{uuid.uuid4().hex[:12]}"  # swept if we die before the rename
     try:
-        with create_new(temporary) as handle:
-            handle.write(data)
-            os.fsync(handle.fileno())
-        os.replace(temporary, Path(root) / ROLLBACK_FILE)
+        replace_file(Path(root) / ROLLBACK_FILE, data, durable=True)
     except OSError as exc:
-        with suppress(OSError):
-            temporary.unlink()
         raise CheckpointError(f"cannot write the rollback marker: {exc.strerror or exc}", file=str(root)) from None
 
 
