@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import subprocess
 import time
 
 import pytest
@@ -83,6 +84,12 @@ def test_remove_abandoned_deletes_only_what_no_live_save_owns(tmp_path):
     replaced = folder(f"{TEMP_PREFIX}replaced-ckpt-1", marker=False)
     young_init = folder(f"{INIT_PREFIX}young", marker=False)
     old_init = folder(f"{INIT_PREFIX}old", marker=False, age_s=3600)
+    # set up by a process of this host that was killed before its marker existed: no grace needed
+    dead_pid = subprocess.Popen(["true"])
+    dead_pid.wait()
+    dead_init = folder(f"{INIT_PREFIX}{commit._HOST}-{dead_pid.pid}-0123456789ab", marker=False)
+    alive_init = folder(f"{INIT_PREFIX}{commit._HOST}-{os.getpid()}-0123456789ab", marker=False)
+    other_host_init = folder(f"{INIT_PREFIX}ffffffff-{dead_pid.pid}-0123456789ab", marker=False)
     checkpoint = folder("ckpt", marker=False)
     live = commit.LocalDestination(tmp_path / "other")
     live_folder = tmp_path / live.prepare()
@@ -90,5 +97,6 @@ def test_remove_abandoned_deletes_only_what_no_live_save_owns(tmp_path):
         removed = commit.remove_abandoned(tmp_path, grace_s=60)
     finally:
         live.abort()
-    assert sorted(removed) == sorted([dead_save, replaced, old_init])
+    assert sorted(removed) == sorted([dead_save, replaced, old_init, dead_init])
     assert young_init.is_dir() and checkpoint.is_dir() and live_folder.is_dir()
+    assert alive_init.is_dir() and other_host_init.is_dir()

@@ -13,10 +13,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import hashlib
 import io
 import json
 import os
 import shutil
+import socket
 import threading
 import time
 import uuid
@@ -66,7 +68,7 @@ class LocalDestination:
         # the marker stays locked until the commit: a cleaner (remove_abandoned) leaves locked saves alone.
         # The folder gets its temporary name only once the marker is in it, so a folder under that name
         # without a marker is never a live save.
-        init = self.final.parent / f"{INIT_PREFIX}{uuid.uuid4().hex[:12]}"
+        init = self.final.parent / f"{INIT_PREFIX}{_creator_tag()}-{uuid.uuid4().hex[:12]}"
         try:
             self.final.parent.mkdir(parents=True, exist_ok=True)
             init.mkdir()
@@ -356,7 +358,8 @@ def remove_abandoned(folder: Path, *, grace_s: float = 60.0) -> list[Path]:
     A save's folder holds a marker its preparing process keeps locked until the commit, so a folder
     whose marker can be locked belongs to a save that died. A temporary folder without a marker is a
     deletion, a replaced checkpoint or a committed save on its way to its name: garbage. A folder still
-    being set up (INIT_PREFIX) without its marker yet is left alone until it is `grace_s` old.
+    being set up (INIT_PREFIX) without its marker yet is left alone until it is `grace_s` old, unless its
+    name says it was made on this host by a process that has since died.
     """
     removed = []
     for child in folder.iterdir():
@@ -370,13 +373,37 @@ def remove_abandoned(folder: Path, *, grace_s: float = 60.0) -> list[Path]:
                     continue  # a live save
         except FileNotFoundError:
             try:
-                if child.name.startswith(INIT_PREFIX) and time.time() - child.stat().st_mtime < grace_s:
+                young = time.time() - child.stat().st_mtime < grace_s
+                if child.name.startswith(INIT_PREFIX) and young and not _creator_died(child.name):
                     continue
             except FileNotFoundError:
                 continue
         shutil.rmtree(child, ignore_errors=True)
         removed.append(child)
     return removed
+
+
+def _creator_tag() -> str:
+    """This host and process, as a folder-name part: `<host hash>-<pid>`."""
+    return f"{_HOST}-{os.getpid()}"
+
+
+def _creator_died(init_name: str) -> bool:
+    """Whether an INIT_PREFIX folder was made on this host by a process that no longer runs."""
+    host, _, rest = init_name[len(INIT_PREFIX):].partition("-")
+    pid = rest.partition("-")[0]
+    if host != _HOST or not pid.isdigit():
+        return False  # another host's (a shared file system) or an older name: only the grace period says
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False
+
+
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
 def _exchange(a: Path, b: Path) -> bool:
