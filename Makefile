@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	# constraints.txt pins torch==2.13.0, the CPU wheel available offline on this machine kind.
-	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev,torch,web,browser-tests,s3,gguf,orbax,flax,pictures]"
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev,torch,web,browser-tests,s3,gguf,orbax,flax,pictures,notebook]"
 	# DeepSpeed (the ZeRO test fixtures) builds against the torch installed above, so it comes after it, without
 	# build isolation; the constraints keep that torch.
 	$(BIN)/pip install --quiet --no-build-isolation -c constraints.txt "deepspeed>=0.19,<0.20"
