@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -32,6 +35,9 @@ from .stats import chunk_blocks
 DEFAULT_BAND_BYTES = 32 * 1024**2
 MAX_PIXELS = 4096 * 4096  # pixels of one tile: a full-screen canvas at twice the density, with room to spare
 AGGREGATES = ("mean", "min", "max", "absmax")
+TILE_THREADS = max(1, min(4, os.cpu_count() or 1))
+"""Bands of an exact tile read and reduced at once (each holds one band in memory, within band_bytes in all)."""
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -206,53 +212,96 @@ def nonfinite_cells(nonfinite: NonFinite, view: View, r0: int, r1: int, c0: int,
     return out
 
 
-@np.errstate(invalid="ignore", divide="ignore")  # +inf and -inf in one block sum to NaN, as they should
 def _aggregate(result: Tile, read: Callable[[slice, slice], np.ndarray], band_bytes: int) -> None:
     """Exact block aggregates, reading bands of whole block rows and block columns under band_bytes. Only the
     float32 fields span the whole tile: sums and counts live as long as one band."""
     (r0, r1), (c0, c1), (sy, sx) = result.rows, result.cols, result.step
     out_rows, out_cols = math.ceil((r1 - r0) / sy), math.ceil((c1 - c0) / sx)
     mean, low, high, peak = (np.empty((out_rows, out_cols), np.float32) for _ in AGGREGATES)
-    elements = max(1, band_bytes // 8)
+    elements = max(1, band_bytes // (8 * TILE_THREADS))  # float64 at most, one band per thread
     block_cols = max(1, min(out_cols, elements // (sy * sx)))
     block_rows = max(1, elements // (block_cols * sy * sx))
-    for i in range(0, out_rows, block_rows):
-        for j in range(0, out_cols, block_cols):
-            rs = slice(r0 + i * sy, min(r1, r0 + (i + block_rows) * sy))
-            cs = slice(c0 + j * sx, min(c1, c0 + (j + block_cols) * sx))
-            band = _as_working(read(rs, cs))
-            nan, inf = _nonfinite(band)
-            result.nan += nan
-            result.inf += inf
-            target = (slice(i, i + math.ceil(band.shape[0] / sy)), slice(j, j + math.ceil(band.shape[1] / sx)))
-            if nan or inf:
-                if result.mask is None:
-                    result.mask = np.zeros((out_rows, out_cols), np.uint8)
-                result.mask[target] = _blocks(np.bitwise_or, flags_of(band), sy, sx)
-            if nan:
-                valid = ~np.isnan(band)
-                sums = _blocks(np.add, np.where(valid, band, 0), sy, sx)
-                counts = _blocks(np.add, valid.astype(np.int64), sy, sx)
-            else:
-                sums = _blocks(np.add, band, sy, sx)
-                counts = _block_sizes(band.shape, sy, sx)
-            mean[target] = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
-            low[target] = _blocks(np.fmin, band, sy, sx)
-            high[target] = _blocks(np.fmax, band, sy, sx)
-            peak[target] = _blocks(np.fmax, np.abs(band), sy, sx)
+    bands = [(i, j) for i in range(0, out_rows, block_rows) for j in range(0, out_cols, block_cols)]
+
+    def one(i: int, j: int) -> _Band:
+        rows = slice(r0 + i * sy, min(r1, r0 + (i + block_rows) * sy))
+        cols = slice(c0 + j * sx, min(c1, c0 + (j + block_cols) * sx))
+        return _band(_as_working(read(rows, cols)), sy, sx)
+
+    for (i, j), band in _in_parallel(one, bands, TILE_THREADS):
+        target = (slice(i, i + band.mean.shape[0]), slice(j, j + band.mean.shape[1]))
+        result.nan += band.nan
+        result.inf += band.inf
+        if band.flags is not None:
+            if result.mask is None:
+                result.mask = np.zeros((out_rows, out_cols), np.uint8)
+            result.mask[target] = band.flags
+        mean[target], low[target], high[target] = band.mean, band.low, band.high
+        # a block's largest magnitude is that of its least or its greatest value (NaN only where all are)
+        peak[target] = np.fmax(np.abs(band.low), np.abs(band.high))
     result.fields.update(zip(AGGREGATES, (mean, low, high, peak)))
 
 
+@dataclass
+class _Band:
+    """The block aggregates of one band, and its count of NaN and Inf values."""
+
+    mean: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+    flags: np.ndarray | None
+    nan: int
+    inf: int
+
+
+def _band(band: np.ndarray, sy: int, sx: int) -> _Band:
+    with np.errstate(invalid="ignore", divide="ignore"):  # +inf and -inf in one block sum to NaN, as they should
+        sums = _blocks(np.add, band, sy, sx)
+        # float64 sums of float32 values cannot overflow: finite sums of every block vouch for the whole band
+        # without a pass of isfinite over it
+        nan, inf = (0, 0) if band.dtype == np.float32 and np.isfinite(sums).all() else _nonfinite(band)
+        flags = _blocks(np.bitwise_or, flags_of(band), sy, sx) if nan or inf else None
+        if nan:
+            valid = ~np.isnan(band)
+            sums = _blocks(np.add, np.where(valid, band, 0), sy, sx)
+            counts = _blocks(np.add, valid.astype(np.int64), sy, sx)
+        else:
+            counts = _block_sizes(band.shape, sy, sx)
+        mean = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+    return _Band(mean, _blocks(np.fmin, band, sy, sx), _blocks(np.fmax, band, sy, sx), flags, nan, inf)
+
+
+def _in_parallel(work: Callable[[int, int], T], items: list[tuple[int, int]],
+                 threads: int) -> Iterator[tuple[tuple[int, int], T]]:
+    """(item, work(*item)) in order, up to `threads` items worked on at once (reading one overlaps reducing
+    another: pread and numpy release the GIL)."""
+    if threads <= 1:
+        yield from ((item, work(*item)) for item in items)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="tensormorph-tile") as pool:
+        pending: deque[tuple[tuple[int, int], Future[T]]] = deque()
+        for item in items:
+            if len(pending) == threads:
+                done, future = pending.popleft()
+                yield done, future.result()
+            pending.append((item, pool.submit(work, *item)))
+        while pending:
+            done, future = pending.popleft()
+            yield done, future.result()
+
+
 def _blocks(op: np.ufunc, values: np.ndarray, sy: int, sx: int) -> np.ndarray:
-    """Reduce every sy × sx block with a ufunc (sums in float64). Whole blocks go through a reshape,
-    several times faster than reduceat; the ragged last row and column of blocks are reduced apart."""
+    """Reduce every sy × sx block with a ufunc (sums in float64). Whole blocks go through a reshape, several
+    times faster than reduceat: first the sy rows of each block row element-wise (long contiguous runs,
+    vectorised), then each block's sx columns of that. The ragged last row and column of blocks go apart."""
     rows, cols = values.shape
     whole_r, whole_c = rows // sy, cols // sx
     dtype = np.float64 if op is np.add and values.dtype.kind == "f" else None
     out = np.empty((math.ceil(rows / sy), math.ceil(cols / sx)), np.float64 if dtype else values.dtype)
     if whole_r and whole_c:
-        grid = values[:whole_r * sy, :whole_c * sx].reshape(whole_r, sy, whole_c, sx)
-        out[:whole_r, :whole_c] = op.reduce(op.reduce(grid, axis=3, dtype=dtype), axis=1)
+        grid = values[:whole_r * sy, :whole_c * sx].reshape(whole_r, sy, whole_c * sx)
+        per_block_row = op.reduce(grid, axis=1, dtype=dtype)
+        out[:whole_r, :whole_c] = op.reduce(per_block_row.reshape(whole_r, whole_c, sx), axis=2)
     if whole_c < out.shape[1]:  # the ragged last column of blocks, in every block row
         strip = op.reduce(values[:, whole_c * sx:], axis=1, dtype=dtype)
         out[:, whole_c] = op.reduceat(strip, np.arange(0, rows, sy))
