@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the range cache loads only for remote checkpoints
 __all__ = [
     "Checkpoint", "CheckpointError", "Chunk", "DEFAULT_READ_BUDGET", "LogicalTensor", "ObjectEntry", "Placement",
     "convert", "detect", "diff", "diff_heatmap", "heatmap", "history", "open", "remote_options", "verify",
-]  # save, load and plan load on first use (torch for the first two) and stay out of `import *`
+]  # save, load, plan and widget load on first use (torch for the first two) and stay out of `import *`
 
 
 def open(path: str | Path, format: str | None = None, *, read_budget: int = DEFAULT_READ_BUDGET,
@@ -53,14 +53,17 @@ def open(path: str | Path, format: str | None = None, *, read_budget: int = DEFA
     return open_checkpoint(path, format, read_budget=read_budget, storage_options=storage_options, cache=cache)
 
 
-# torch-dependent entry points load on first use, so `import tensormorph` stays torch-free.
-_LAZY = {"save": ".distributed", "load": ".distributed", "plan": ".planner"}
+# entry points that load on first use: `import tensormorph` stays free of torch (save, load) and of anywidget and its
+# traitlets (widget, which names the `notebook` extra itself when anywidget is missing). `tm.widget` is the module
+# tensormorph.widget, which is callable: importing a submodule binds its name on the package whatever we return here.
+_LAZY = {"save": ".distributed", "load": ".distributed", "plan": ".planner", "widget": ".widget"}
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'tensormorph' has no attribute {name!r}")
-    if name != "plan":
+    if module == ".distributed":
         require("torch", "torch", feature=f"tm.{name}")
-    return getattr(importlib.import_module(module, __name__), name)
+    loaded = importlib.import_module(module, __name__)
+    return loaded if module == f".{name}" else getattr(loaded, name)

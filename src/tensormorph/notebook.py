@@ -164,9 +164,7 @@ def _preview(tensor: LogicalTensor) -> tuple[str, np.ndarray | None]:
         return "", None
     rows, cols = (tensor.shape[-2], tensor.shape[-1]) if tensor.ndim >= 2 else (1, max(1, tensor.numel))
     step = max(1, math.ceil(rows / PREVIEW_SIZE[1]), math.ceil(cols / PREVIEW_SIZE[0]))
-    taken_rows, taken_cols = math.ceil(rows / step), math.ceil(cols / step)
-    row_bytes = cols * tensor.numpy_dtype.itemsize
-    touched = taken_rows * min(row_bytes, taken_cols * max(PAGE_BYTES, step * tensor.numpy_dtype.itemsize))
+    touched = strided_read_bytes(rows, cols, step, step, tensor.numpy_dtype.itemsize)
     if touched > PREVIEW_READ_BYTES:
         return (f"<div class='dim'>no picture: its sample would read about {human_bytes(touched)} (the bound is "
                 f"{human_bytes(PREVIEW_READ_BYTES)}); use tm.heatmap</div>"), None
@@ -176,6 +174,12 @@ def _preview(tensor: LogicalTensor) -> tuple[str, np.ndarray | None]:
         return f"<div class='bad'>no picture: {escape(str(exc))}</div>", None
     sample = picture.tile.fields["value"] if picture.tile is not None else None
     return f"{_img(picture.to_png(), picture.title)}<div class='dim'>{escape(picture.caption)}</div>", sample
+
+
+def strided_read_bytes(rows: int, cols: int, sy: int, sx: int, itemsize: int) -> int:
+    """About the bytes a strided sample (every sy-th row, every sx-th column) of a rows × cols row-major region
+    touches: a page per element it takes, or each sampled row's whole span when that is less."""
+    return math.ceil(rows / sy) * min(cols * itemsize, math.ceil(cols / sx) * max(PAGE_BYTES, sx * itemsize))
 
 
 def _statistics(tensor: LogicalTensor, sample: np.ndarray | None) -> str:
