@@ -14,10 +14,11 @@ import { renderCheckpointInfo, renderConfig, renderTabs } from './header.js';
 import { Heatmap } from './heatmap.js';
 import { Inspector } from './inspector.js';
 import { Panes } from './layout.js';
-import { formatRoute, parseRoute, showCommand } from './route.js';
+import { formatRoute, parseRoute, planPage, showCommand } from './route.js';
 import { RunPanel } from './run.js';
 import { copyText } from './share.js';
 import { diffSource, localShape, tensorSource } from './sources.js';
+import { Timeline, layerTensor } from './timeline.js';
 import { TreeView } from './tree.js';
 
 const $ = (id) => document.getElementById(id);
@@ -48,6 +49,7 @@ let diffView = null;
 let finder;
 let panes;
 let runPanel;
+let timeline = null;  // the run's Timeline page (#ck=timeline), when the viewer serves a run
 let tensorRequest = 0;
 const savedSettings = { tensor: null, diff: null };
 
@@ -100,8 +102,8 @@ function leaveEntry() {
 
 /** Show what the URL says (at start, Back/Forward, an edited or followed link). */
 async function applyRoute() {
-  if (location.hash === writtenHash) return;
   const route = parseRoute(location.hash);
+  if ((timeline && timeline.route(route.ck)) || location.hash === writtenHash) return;
   const ids = state.checkpoints.map((c) => c.id);
   const first = state.checkpoints.find((c) => !c.config_only).id;
   const ck = route.ck === 'diff' && ids.length > 1 ? 'diff' : ids.includes(route.ck) ? route.ck : first;
@@ -172,17 +174,13 @@ async function loadSummary(id) {
   return state.summaries[id];
 }
 
-/** A checkpoint that is only a config.json: the Plan page is what it offers. */
-function planPage(ck) {
-  return `plan.html${location.search}#ck=${encodeURIComponent(ck)}`;
-}
-
 async function activate(ck) {
   const entry = state.checkpoints.find((c) => c.id === ck);
   if (entry && entry.config_only) {
-    location.assign(planPage(ck));
+    location.assign(planPage(ck, location.search));
     return;
   }
+  if (timeline) timeline.route(ck);
   const wasDiff = state.active === 'diff';
   state.active = ck;
   renderTabs($('tabs'), state.checkpoints, ck, go);
@@ -351,20 +349,23 @@ function showDiffTensor(rec, { view = null } = {}) {
 
 // ---------------------------------------------------------------- training run
 
-/** A step of the run was opened (run.js) as A or B: show it, with the tensor in view when it has one too. */
-async function stepOpened({ id }) {
+/** Steps of the run were opened (run.js, timeline.js) as A and/or B: show `id`, on the tensor in view when it has one
+ * too, or with `layer` the Diff view of the layer's most-moved tensor. */
+async function stepOpened({ id, layer = null }) {
   leaveEntry();
   const keep = state.active !== 'diff' && state.selection
     ? { name: state.selection.name, rank: state.rank, view: heatmap.source ? heatmap.viewState() : null } : null;
-  const before = (state.checkpoints.find((c) => c.id === id) || {}).path;
+  const before = Object.fromEntries(state.checkpoints.map((c) => [c.id, c.path]));
   state.checkpoints = await getJSON('/api/checkpoints');
-  if (state.checkpoints.find((c) => c.id === id).path !== before) {  // B now serves another step: forget the old
-    delete state.summaries[id];
+  for (const c of state.checkpoints.filter((c) => c.path !== before[c.id])) {  // another step now: forget the old
+    delete state.summaries[c.id];
     state.diff = null;
   }
   runPanel.setServed(state.checkpoints);
   await activate(id);
-  if (keep && state.summaries[id].tensors.some((t) => t.name === keep.name)) await selectTensor(keep.name, keep);
+  const rec = layer && state.diff ? diffView.select(layerTensor(state.diff, layer)) : null;
+  if (rec) showDiffTensor(rec);
+  else if (keep && id !== 'diff' && state.summaries[id].tensors.some((t) => t.name === keep.name)) await selectTensor(keep.name, keep);
 }
 
 // ---------------------------------------------------------------- keyboard
@@ -465,12 +466,16 @@ async function boot() {
   state.checkpoints = await getJSON('/api/checkpoints');
   if (!state.checkpoints.length) throw new Error('the server lists no checkpoints');
   if (state.checkpoints.every((c) => c.config_only)) {
-    location.replace(planPage(state.checkpoints[0].id));
+    location.replace(planPage(state.checkpoints[0].id, location.search));
     return;
   }
   runPanel = new RunPanel($('run-panel'), { onOpened: stepOpened });
   runPanel.setServed(state.checkpoints);
-  await runPanel.load();
+  if (await runPanel.load()) {
+    timeline = new Timeline($('timeline'), { link: $('timeline-link'), listing: () => runPanel.listing,
+      onStep: (step) => runPanel.openStep(step), onPair: (layer) => stepOpened({ id: 'diff', layer }),
+      onClose: () => { location.hash = writtenHash || ''; } });
+  }
   updateShareTitles();
   await applyRoute();
   document.body.dataset.ready = '1';
@@ -478,8 +483,7 @@ async function boot() {
 }
 
 Object.defineProperty(state, 'heatmap', { enumerable: true, get: () => (heatmap ? heatmap.snapshot() : null) });
-// the training run's listing (/api/run) when the viewer serves one
-Object.defineProperty(state, 'run', { enumerable: true, get: () => (runPanel ? runPanel.listing : null) });
+Object.defineProperty(state, 'run', { enumerable: true, get: () => (runPanel ? runPanel.listing : null) });  // /api/run
 
 window.tensormorph = {
   state,

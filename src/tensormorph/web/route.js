@@ -2,6 +2,7 @@
 //   #ck=a&t=NAME&rank=R&axes=0,2&fixed=3&zoom=0.5&at=120.5,300&cmap=diverging&norm=symmetric&agg=auto
 //    &clip=1&lock=1&pin=4,120,300                       (a tensor of checkpoint a)
 //   #ck=diff&t=NAME&kind=absdiff&...                    (the diff view of a − b or |a − b|)
+//   #ck=timeline                                        (a training run's Timeline page, timeline.js)
 // zoom is CSS pixels per element (absent: fit the whole view), at the view element at the canvas centre
 // (row, column), pin the tensor index of a pinned element. The query string is the server's (?token=...).
 // Pure functions: nothing here touches the page.
@@ -90,6 +91,12 @@ export function formatRoute({ ck, t, rank = null, kind = null, view = null, sett
   }
   if (view && view.pin) p.set('pin', view.pin.join(','));
   return `#${p.toString().replace(/%2C/g, ',')}`;  // commas need no escape in a fragment: keep links readable
+}
+
+/** The Plan page of checkpoint `ck` (a checkpoint that is only a config.json offers nothing else); `search`: the
+ * page's query string, whose token travels with it. */
+export function planPage(ck, search) {
+  return `plan.html${search}#ck=${encodeURIComponent(ck)}`;
 }
 
 /** A word for the shell: quoted unless it is made of characters no shell treats specially. */

@@ -80,8 +80,16 @@ export class RunPanel {
     return found ? found.id : null;
   }
 
+  /** Open a step by its number (the Timeline's clicks); why it could not, or null once it is open. */
+  async openStep(number) {
+    const step = this.listing && this.listing.steps.find((s) => s.step === number);
+    if (!step) return `Step ${int(number)} is not in the run's listing any more`;
+    return (await this.open(step)) ? null : this.error;
+  }
+
+  /** Open a step as B (or show which of A and B serves it); whether it opened. */
   async open(step) {
-    if (this.opening !== null) return;
+    if (this.opening !== null) return false;
     this.opening = step.step;
     this.render();
     try {
@@ -97,6 +105,7 @@ export class RunPanel {
       this.opening = null;
       this.render();
     }
+    return this.error === null;
   }
 
   render() {
