@@ -307,3 +307,13 @@ def test_axes_and_fixed_choose_the_view(files, tmp_path):
 def test_wrong_settings_fail_before_anything_is_read(tmp_path, setting, message):
     with pytest.raises(CheckpointError, match=message):
         tm.heatmap(tmp_path / "missing", "w", **setting)  # the path does not exist: never opened
+
+
+def test_one_value_is_painted_like_an_array_of_it():
+    """A 0-d value gets its own pixel (the colour table is shared and read-only), as in a 1-element array."""
+    lut = colormaps.colormap("viridis")
+    scale = colormaps.Scale("linear", 0.0, 1.0)
+    single = colormaps.paint(np.float64(0.5), scale, lut)
+    assert single.shape == (3,) and single.flags.writeable
+    np.testing.assert_array_equal(single, colormaps.paint(np.array([0.5]), scale, lut)[0])
+    np.testing.assert_array_equal(colormaps.paint(np.float64(np.nan), scale, lut), colormaps.palette().nan)

@@ -129,7 +129,8 @@ def paint(values: np.ndarray, scale: Scale, lut: np.ndarray, flags: np.ndarray |
     floor(clamp(t, 0, 1) · 255 + 0.5)."""
     v = np.asarray(values, np.float64)
     t = np.clip(np.nan_to_num(scale.positions(v), nan=0.0, posinf=1.0, neginf=0.0), 0.0, 1.0)
-    rgb = lut[np.floor(t * (LUT_SIZE - 1) + 0.5).astype(np.intp)]
+    # take copies even for a single value, where indexing would hand back a view of the shared table
+    rgb = np.take(lut, np.floor(t * (LUT_SIZE - 1) + 0.5).astype(np.intp), axis=0)
     colours = palette()
     nan = np.isnan(v)
     inf = np.isinf(v)
