@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -37,17 +36,17 @@ from starlette.staticfiles import StaticFiles
 from .core import DEFAULT_READ_BUDGET, Checkpoint, LogicalTensor
 from .errors import CheckpointError, TensorNotFoundError
 from .formats import detect, open_checkpoint
-from .ops.diff import DiffReport, aligned_names, diff, parse_rename
+from .ops.diff import DiffReport
 from .ops.search import NonFinite, nonfinite
 from .ops.stats import TensorStats, tensor_stats
 from .ops.summary import describe, tensor_record
 from .ops.tiles import View, histogram, tile
 from .planner import Workload, plan
 from .planner.model import config_beside
+from .server_diff import Pairing, binary, diff_endpoint, diff_tile
 from .server_guard import Guard, is_loopback
 from .server_request import (
     ApiError,
-    choice_param,
     finite,
     flag_param,
     float_param,
@@ -71,7 +70,6 @@ LIGHT_ROUTES = re.compile(r"/api/(openapi\.json|checkpoints|checkpoints/[^/]+/te
 NONFINITE_SCAN_BYTES = 16 * 1024**2  # a tensor this small is scanned for NaN/Inf on its first tile (~5 ms warm)
 NONFINITE_CACHE_BYTES = 64 * 1024**2  # non-finite positions kept for approximate tiles, all tensors together
 STATS_KEPT = 4096  # statistics kept per viewer (a few hundred bytes each), for the tiles' shared scale
-SCALE_HEADER = "X-Tensormorph-Scale"  # a tile's answer: the whole tensor's finite range, JSON, when known
 CONFIG_ONLY = "config"  # the format shown for a folder holding only config.json (planned, not viewed)
 
 
@@ -79,9 +77,11 @@ class Viewer:
     """The state behind the API: the opened checkpoints, the diff report and the tile caches."""
 
     def __init__(self, paths: list[str | Path], *, rename: list[str] | None = None, cache_dir: Path | None = None,
-                 cache_bytes: int = DISK_CACHE_BYTES, read_budget: int = DEFAULT_READ_BUDGET):
+                 cache_bytes: int = DISK_CACHE_BYTES, read_budget: int = DEFAULT_READ_BUDGET,
+                 rules: list[str] | None = None, transpose: list[str] | None = None):
+        self.pairing = Pairing(rename or (), rules or (), transpose or ())  # checked before anything opens
         self.checkpoints: dict[str, Checkpoint] = {cid: _open(p, read_budget) for cid, p in zip("ab", paths)}
-        self.rename = list(rename or [])
+        self.rename, self.rules, self.transpose = self.pairing.rename, self.pairing.rules, self.pairing.transpose
         self.tiles = TileCache(cache_dir, disk_bytes=cache_bytes)
         self._diff: dict[tuple[float, float], DiffReport] = {}
         self._summaries: dict[str, bytes] = {}
@@ -156,16 +156,8 @@ class Viewer:
                 self._nonfinite_bytes -= dropped.nbytes
 
     def aligned(self, name: str | None) -> tuple[LogicalTensor, LogicalTensor]:
-        """The tensors of a and b that the diff aligns under `name`, of one shape."""
-        a_ck, b_ck = self.checkpoint("a"), self.checkpoint("b")
-        rules = [parse_rename(r) for r in self.rename]
-        a_names, b_names = aligned_names(list(a_ck), rules, "a"), aligned_names(list(b_ck), rules, "b")
-        if not name or name not in a_names or name not in b_names:
-            raise ApiError(404, f"tensor {name!r} is not in both checkpoints")
-        a, b = a_ck[a_names[name]], b_ck[b_names[name]]
-        if a.shape != b.shape:
-            raise ApiError(400, f"shapes differ: {list(a.shape)} vs {list(b.shape)}")
-        return a, b
+        """The tensors of a and b that the diff aligns under `name` (through its rules), of one shape."""
+        return self.pairing.aligned(self.checkpoint("a"), self.checkpoint("b"), name)
 
     def config_only(self, cid: str) -> bool:
         return self.checkpoint(cid).format == CONFIG_ONLY
@@ -209,8 +201,7 @@ class Viewer:
         key = (atol, rtol)
         with self._lock:
             if key not in self._diff:
-                self._diff[key] = diff(self.checkpoints["a"], self.checkpoints["b"], atol=atol, rtol=rtol,
-                                       rename=self.rename)
+                self._diff[key] = self.pairing.report(self.checkpoints["a"], self.checkpoints["b"], atol, rtol)
             return self._diff[key]
 
     def cached_tile(self, key_parts: list[Any], sources: list[tuple[Checkpoint, LogicalTensor]],
@@ -327,46 +318,9 @@ def tile_endpoint(request: Request) -> Response:
     scale = viewer.scale(cid, tensor)
     encoding = negotiate(request.headers.get("accept-encoding"))
     if not exact:
-        return _binary(*compress(compute(), encoding), scale)
+        return binary(*compress(compute(), encoding), scale)
     key = ["tile", view.axes, view.fixed, area, shuffle]
-    return _binary(*viewer.cached_tile(key, [(ck, tensor)], compute, encoding), scale)
-
-
-def diff_endpoint(request: Request) -> JSONResponse:
-    """The diff report of the two checkpoints."""
-    viewer: Viewer = request.app.state.viewer
-    report = viewer.diff_report(float_param(request, "atol", 0.0), float_param(request, "rtol", 0.0))
-    return JSONResponse(finite(report.to_dict()))
-
-
-def diff_tile(request: Request) -> Response:
-    """A binary tile of a − b (kind=diff) or |a − b| (kind=absdiff) for one aligned tensor name."""
-    viewer: Viewer = request.app.state.viewer
-    name = request.query_params.get("name")
-    a, b = viewer.aligned(name)
-    kind = choice_param(request, "kind", ("diff", "absdiff"), "diff")
-    view_a, view_b = view_of(a, request), view_of(b, request)
-    area = region(request, view_a)
-    exact, shuffle = flag_param(request, "exact"), flag_param(request, "shuffle")
-
-    def difference(rows: slice, cols: slice) -> np.ndarray:
-        delta = view_a.read(rows, cols).astype(np.float64) - view_b.read(rows, cols).astype(np.float64)
-        return np.abs(delta) if kind == "absdiff" else delta
-
-    def compute() -> bytes:
-        known = None
-        if not exact:
-            left, right = viewer.nonfinite("a", a), viewer.nonfinite("b", b)
-            known = left.difference(right, absolute=kind == "absdiff") if left and right else None
-        return tile(view_a, *area, exact=exact, reader=difference, nonfinite=known).encode(shuffle=shuffle)
-
-    scale = viewer.diff_scale(name or "", kind)
-    encoding = negotiate(request.headers.get("accept-encoding"))
-    if not exact:
-        return _binary(*compress(compute(), encoding), scale)
-    key = ["diff", kind, view_a.axes, view_a.fixed, area, shuffle]
-    return _binary(*viewer.cached_tile(key, [(viewer.checkpoint("a"), a), (viewer.checkpoint("b"), b)], compute,
-                                       encoding), scale)
+    return binary(*viewer.cached_tile(key, [(ck, tensor)], compute, encoding), scale)
 
 
 def plan_endpoint(request: Request) -> JSONResponse:
@@ -393,17 +347,6 @@ def plan_endpoint(request: Request) -> JSONResponse:
 
 def openapi(request: Request) -> JSONResponse:
     return JSONResponse(OPENAPI)
-
-
-def _binary(data: bytes, encoding: str | None = None, scale: dict[str, float | None] | None = None) -> Response:
-    """A tile: Content-Encoding when compressed, and the tensor's range when known (not in the cached bytes:
-    it becomes known later than a tile may be cached)."""
-    headers = {"Vary": "Accept-Encoding"}
-    if encoding is not None:
-        headers["Content-Encoding"] = encoding
-    if scale is not None:
-        headers[SCALE_HEADER] = json.dumps(finite(scale))
-    return Response(data, media_type="application/octet-stream", headers=headers)
 
 
 def _operation(summary: str, parameters: list[str], binary: bool = False, stream: bool = False) -> dict[str, Any]:
@@ -444,15 +387,17 @@ def _api_error(request: Request, exc: Exception) -> JSONResponse:
 
 def create_app(paths: list[str | Path], *, host: str = "127.0.0.1", token: str | None = None,
                rename: list[str] | None = None, cache_dir: Path | None = None, cache_bytes: int = DISK_CACHE_BYTES,
-               read_budget: int = DEFAULT_READ_BUDGET, run: RunView | None = None) -> Starlette:
+               read_budget: int = DEFAULT_READ_BUDGET, run: RunView | None = None, rules: list[str] | None = None,
+               transpose: list[str] | None = None) -> Starlette:
     """The viewer app for one or two checkpoints, to serve on `host` (with `run`: its newest checkpoint, and its steps
     listed and opened by server_run.py). Requests must name the viewer in their Host header (server_guard.py);
     `token`, required when `host` is not loopback, guards every route; statistics of a tensor above `read_budget`
-    bytes need confirm=1; exact tiles are cached in `cache_dir`, up to `cache_bytes`."""
+    bytes need confirm=1; exact tiles are cached in `cache_dir`, up to `cache_bytes`. The diff pairs tensors through
+    `rename`, `rules` and `transpose` as `tensormorph diff` does (server_diff.py)."""
     if token is None and not is_loopback(host):
         raise ValueError(f"a viewer served on {host!r}, beyond this machine, needs a token")
     viewer = Viewer(list(paths), rename=rename, cache_dir=cache_dir, cache_bytes=cache_bytes,
-                    read_budget=read_budget)
+                    read_budget=read_budget, rules=rules, transpose=transpose)
     routes = [
         Route("/api/openapi.json", openapi),
         Route("/api/checkpoints", list_checkpoints),

@@ -24,6 +24,10 @@ from .tiers import MEMORY_DIR_HELP
               help="Interface to listen on; beyond loopback, the page and API need the printed token.")
 @click.option("--port", type=int, default=0, help="Port (default: a free one).")
 @click.option("--rename", "renames", multiple=True, help="Align names for the diff view, as for diff.")
+@click.option("--rules", "rule_sets", multiple=True,
+              help="A rule set for the diff view, as for diff: 'flax-torch' or a JSON rule file.")
+@click.option("--transpose", "transposes", multiple=True,
+              help="Transpose side a's tensors for the diff view, as for diff ('re:.*kernel$'; 'b:' for side b).")
 @click.option("--read-budget", default="2GiB", show_default=True,
               help="Full reads above this ask for confirmation in the page.")
 @click.option("--cache-size", default="256MiB", show_default=True,
@@ -33,8 +37,9 @@ from .tiers import MEMORY_DIR_HELP
 @click.option("--remote", default=None, metavar="URL",
               help="For a training run: its object store (the Checkpointer's remote=), listed and opened too.")
 @fails_cleanly
-def view_command(paths: tuple[str, ...], host: str, port: int, renames: tuple[str, ...], read_budget: str,
-                 cache_size: str, no_browser: bool, memory_dir: str | None, remote: str | None) -> None:
+def view_command(paths: tuple[str, ...], host: str, port: int, renames: tuple[str, ...], rule_sets: tuple[str, ...],
+                 transposes: tuple[str, ...], read_budget: str, cache_size: str, no_browser: bool,
+                 memory_dir: str | None, remote: str | None) -> None:
     """Open one checkpoint (or two, to diff them) in the browser viewer. A training run's root (a Checkpointer's
     folder) opens its newest checkpoint, with a panel listing every step and the tiers that hold it."""
     # imported here, and named when missing: the other commands start without the server's packages
@@ -63,7 +68,8 @@ def view_command(paths: tuple[str, ...], host: str, port: int, renames: tuple[st
                                          param_hint="--host") from None
             port = probe.getsockname()[1]
     app = create_app(opened, host=host, token=token, rename=list(renames), cache_dir=default_cache_dir(),
-                     cache_bytes=parse_size(cache_size), read_budget=parse_size(read_budget), run=run)
+                     cache_bytes=parse_size(cache_size), read_budget=parse_size(read_budget), run=run,
+                     rules=list(rule_sets), transpose=list(transposes))
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}/" + (f"?token={token}" if token else "")
     if run is not None:
         console.print(f"Training run {escape(str(run.root))}: opened {escape(str(opened[0]))}", highlight=False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,8 +19,9 @@ import torch
 from .. import dtypes
 from ..core import Checkpoint
 from ..errors import StateMismatchError, UnsupportedError
-from ..formats import open_checkpoint
+from ..formats import detect, open_checkpoint
 from ..geometry import Box
+from ..ops.rules import as_targets, rule_list
 from ..storage import LocalFiles, RemoteFiles, is_url, local_path
 from ..tmformat.checkpoint import is_checkpoint_folder, read_manifest, root_of
 from ..tmformat.reader import BoxReader
@@ -44,9 +45,13 @@ class LoadReport:
     seconds: float = 0.0
 
 
-def _open_source(path: str | os.PathLike[str], storage_options: dict[str, Any] | None,
-                 verify: bool) -> tuple[BoxReader | Checkpoint, str]:
-    """A BoxReader for the Tensormorph format (local or remote), else a Checkpoint of any other format."""
+def _open_source(path: str | os.PathLike[str], storage_options: dict[str, Any] | None, verify: bool,
+                 whole: bool = False) -> tuple[BoxReader | Checkpoint, str]:
+    """A BoxReader for the Tensormorph format (local or remote), else a Checkpoint of any other format (local or
+    remote); with `whole` (rules see logical tensors), a Checkpoint of any format."""
+    if whole or is_url(path) and detect(os.fspath(path), storage_options=storage_options) != "tensormorph":
+        checkpoint = open_checkpoint(os.fspath(path), storage_options=storage_options)
+        return checkpoint, checkpoint.format
     if is_url(path):
         remote = RemoteFiles(os.fspath(path), storage_options)
         return BoxReader(read_manifest(remote, remote.url), remote, remote.url, verify=verify), "tensormorph"
@@ -61,7 +66,9 @@ def _open_source(path: str | os.PathLike[str], storage_options: dict[str, Any] |
 
 
 def load(path: str | os.PathLike, state_dict: dict[str, Any], *, strict: bool = True, verify: bool = True,
-         cast: bool = False, process_group: Any = None, storage_options: dict[str, Any] | None = None) -> LoadReport:
+         cast: bool = False, process_group: Any = None, storage_options: dict[str, Any] | None = None,
+         rules: str | Sequence[Any] | None = None, rename: Sequence[str] | None = None,
+         transpose: Sequence[str] | None = None) -> LoadReport:
     """Fill `state_dict` in place from any checkpoint the library reads, resharding as needed.
 
     Tensors are filled in place; each DTensor's local shard is read from exactly the bytes that hold
@@ -69,14 +76,25 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *, strict: bool = 
     Strict: missing or unexpected keys and shape or dtype mismatches raise one StateMismatchError
     listing every offender; with strict=False they are skipped and listed in the report. dtypes are
     converted only with cast=True. With verify, block checksums of the Tensormorph format are checked.
+
+    `rules` (a rule set such as 'flax-torch', or a rule file), `rename` and `transpose` align names and layouts as
+    diff's do (docs/diff-rules.md), with the checkpoint as side a and the state dict as side b: a Flax kernel fills
+    the transposed torch weight, read lazily, chunk by chunk. The report names the state dict's tensors; an
+    unexpected checkpoint name is shown with its aligned name, 'params.x.kernel (as x.weight)'.
     """
     del process_group  # loading needs no collectives: every rank reads its own boxes
     started = time.perf_counter()
     leaves = flatten(state_dict)
-    source, format_name = _open_source(path, storage_options, verify)
+    steps = rule_list(rules, rename, transpose) if rules or rename or transpose else None
+    source, format_name = _open_source(path, storage_options, verify, whole=steps is not None)
     report = LoadReport(os.fspath(path), format_name)
     try:
         objects: dict[str, Any]  # plain values from a manifest, loaders from other formats
+        unmatched: list[str] = []
+        if steps is not None:
+            assert isinstance(source, Checkpoint)
+            targets = as_targets(source, steps, {n: t.dim() for n, t in leaves.tensors.items()}, list(leaves.objects))
+            source, unmatched = targets.checkpoint, targets.unmatched
         if isinstance(source, BoxReader):
             stored = {n: (r.dtype, r.shape) for n, r in source.manifest.tensors.items()}
             objects = source.manifest.objects
@@ -84,6 +102,7 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *, strict: bool = 
             stored = {n: (t.dtype, t.shape) for n, t in source.tensors.items()}
             objects = _regroup({n: o.value for n, o in source.objects.items()}, leaves.objects)
         work = _match(leaves, stored, objects, report, cast)
+        report.unexpected += unmatched
         if (report.missing or report.unexpected or report.mismatched) and strict:
             raise StateMismatchError(_mismatch_message(report), file=os.fspath(path), missing=report.missing,
                                      unexpected=report.unexpected, mismatched=report.mismatched)

@@ -133,29 +133,80 @@ def rule_list(rules: str | Sequence[str | Rule] | None, rename: Sequence[str] | 
     return [*steps, *(parse_rename(r) for r in rename or ()), *(parse_transpose(t) for t in transpose or ())]
 
 
+def align(name: str, ndim: int | None, rules: Sequence[Rule], side: str) -> tuple[str, tuple[int, ...]]:
+    """The aligned name of one name of `side`, and the permutation the rules apply to its `ndim` dimensions (None:
+    an object, which only renames reach)."""
+    aligned, permutation = name, tuple(range(ndim or 0))
+    for rule in rules:
+        if side not in rule.sides:
+            continue
+        if isinstance(rule, NameRule):
+            aligned = rule.apply(aligned)
+        elif ndim is not None and (step := rule.applies(aligned, ndim)) is not None:
+            permutation = tuple(permutation[p] for p in step)
+    return aligned, permutation
+
+
 def aligned_view(checkpoint: Checkpoint, rules: Sequence[Rule], side: str) -> Checkpoint:
     """`checkpoint` with its tensors and objects under their aligned names, tensors transposed where rules say."""
     tensors: dict[str, LogicalTensor] = {}
     for name, tensor in checkpoint.tensors.items():
-        aligned, permutation = name, tuple(range(tensor.ndim))
-        for rule in rules:
-            if side not in rule.sides:
-                continue
-            if isinstance(rule, NameRule):
-                aligned = rule.apply(aligned)
-            elif (step := rule.applies(aligned, tensor.ndim)) is not None:
-                permutation = tuple(permutation[p] for p in step)
+        aligned, permutation = align(name, tensor.ndim, rules, side)
         _claim(tensors, aligned, name, side)
         tensors[aligned] = tensor if permutation == tuple(range(tensor.ndim)) else transposed(tensor, permutation)
     objects: dict[str, Any] = {}
     for name, entry in checkpoint.objects.items():
-        aligned = name
-        for rule in rules:
-            if isinstance(rule, NameRule) and side in rule.sides:
-                aligned = rule.apply(aligned)
+        aligned, _ = align(name, None, rules, side)
         _claim(objects, aligned, name, side)
         objects[aligned] = entry
     return replace(checkpoint, tensors=tensors, objects=objects)
+
+
+@dataclass(frozen=True)
+class TargetView:
+    """A checkpoint (side a) as a state dict (side b) sees it through the rules (`as_targets`)."""
+
+    checkpoint: Checkpoint  # tensors and objects under the state dict's own names, in its layout
+    unmatched: list[str]  # the checkpoint's names no state dict name aligns with: 'name' or 'name (as aligned)'
+
+
+def as_targets(checkpoint: Checkpoint, rules: Sequence[Rule], tensors: dict[str, int],
+               objects: Sequence[str]) -> TargetView:
+    """`checkpoint` under the names of a state dict holding `tensors` (name -> number of dimensions) and `objects`:
+    side a's rules align the checkpoint's names and layouts, side b's the state dict's, and each state dict name
+    whose aligned name the checkpoint holds gets that tensor, permuted back into the state dict's own layout (a
+    lazy view: a region read reads only the chunks it needs)."""
+    view = aligned_view(checkpoint, rules, "a")
+    by_target: dict[str, LogicalTensor] = {}
+    claimed: dict[str, str] = {}  # aligned name -> the state dict name that takes it
+    used: set[str] = set()
+    for name, ndim in tensors.items():
+        aligned, permutation = align(name, ndim, rules, "b")
+        if aligned in claimed:
+            raise CheckpointError(f"rules map both {claimed[aligned]!r} and {name!r} of the state dict to {aligned!r}")
+        claimed[aligned] = name
+        tensor = view.tensors.get(aligned)
+        if tensor is not None:
+            back = tuple(sorted(range(len(permutation)), key=permutation.__getitem__))  # the inverse permutation
+            fits = len(permutation) == tensor.ndim and back != tuple(range(tensor.ndim))
+            by_target[name] = transposed(tensor, back) if fits else tensor
+            used.add(aligned)
+    entries: dict[str, Any] = {}
+    for name in objects:
+        aligned, _ = align(name, None, rules, "b")
+        if aligned in claimed:
+            raise CheckpointError(f"rules map both {claimed[aligned]!r} and {name!r} of the state dict to {aligned!r}")
+        claimed[aligned] = name
+        if aligned in view.objects:
+            entries[name] = view.objects[aligned]
+    # a tensor or object keeps its name in the checkpoint when the view renames it
+    unmatched = [_as(t.name, a) for a, t in view.tensors.items() if a not in used]
+    unmatched += [_as(o.name, a) for a, o in view.objects.items() if claimed.get(a) not in entries]
+    return TargetView(replace(view, tensors=by_target, objects=entries), unmatched)
+
+
+def _as(original: str, aligned: str) -> str:
+    return original if original == aligned else f"{original} (as {aligned})"
 
 
 def _claim(taken: dict[str, Any], aligned: str, name: str, side: str) -> None:

@@ -1,4 +1,5 @@
-"""Opening a Flax msgpack file (or the one `*.msgpack` file of a folder) as a checkpoint."""
+"""Opening a Flax msgpack file (or the one `*.msgpack` file of a folder) as a checkpoint, or the shards a
+`*.msgpack.index.json` names (sharded.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ...errors import HeaderError, UnsupportedError
 from ...geometry import flat_boxes
 from ...storage import AnyPath, ByteStore, entries, probe, store_at
 from ..contract import Detection, no_checksums
+from .sharded import INDEX_SUFFIX, index_at, open_sharded
 from .walk import _LISTS, _MAPS, ArrayLeaf, ChunkedLeaf, UnknownExt, ValueLeaf, Walk
 
 NAME = "flax_msgpack"
@@ -42,26 +44,38 @@ def _candidate(path: AnyPath) -> AnyPath | None:
 
 
 def detect(path: AnyPath) -> Detection | None:
-    """A `*.msgpack` file starting with a map keyed by strings, or a folder holding exactly one."""
-    found = _candidate(path)
+    """A `*.msgpack` file starting with a map keyed by strings, or a folder holding exactly one; or a sharded
+    checkpoint's `*.msgpack.index.json`, or a folder holding exactly one."""
+    found = index_at(path) or _candidate(path)
     return Detection(path, found) if found is not None else None
 
 
 def open(detection: Detection) -> Checkpoint:
     path = detection.found or detection.path
+    index = path if path.name.endswith(INDEX_SUFFIX) else index_at(path) if path.is_dir() else None
+    if index is not None:
+        return open_sharded(index, read_file)
     if path.is_dir():
         found: list[AnyPath] = entries(path, f"*{SUFFIX}")
         if len(found) != 1:
             raise HeaderError(f"expected exactly one {SUFFIX} file in the folder, found {len(found)}", file=str(path))
         path = found[0]
     files = store_at(path.parent)
-    where = files.describe(path.name)
-    size = files.size(path.name)
-    head = files.read(path.name, 0, min(size, 8))
+    tensors, objects = read_file(files, path.name)
+    metadata: dict[str, Any] = {"arrays": len(tensors), "other_leaves": len(objects)}
+    return Checkpoint(path=path, format=NAME, tensors=tensors, objects=objects, metadata=metadata,
+                      files=(path.name,), storage=files)
+
+
+def read_file(files: ByteStore, file: str) -> tuple[dict[str, LogicalTensor], dict[str, ObjectEntry]]:
+    """The tensors and objects of one msgpack file of `files`, by dotted name."""
+    where = files.describe(file)
+    size = files.size(file)
+    head = files.read(file, 0, min(size, 8))
     if not head or head[0] not in _MAPS:
         kind = "an empty file" if not head else ("a list" if head[0] in _LISTS else f"a value (byte 0x{head[0]:02x})")
         raise HeaderError(f"starts with {kind}; a Flax state dict is a msgpack map", file=where)
-    walk = Walk(files.buffer(path.name), size, where)
+    walk = Walk(files.buffer(file), size, where)
     tensors: dict[str, LogicalTensor] = {}
     objects: dict[str, ObjectEntry] = {}
     for keys, leaf in walk.leaves.items():
@@ -69,18 +83,15 @@ def open(detection: Detection) -> Checkpoint:
         if name in tensors or name in objects:
             raise HeaderError("names two leaves once their keys are joined with dots", file=where, tensor=name)
         if isinstance(leaf, ArrayLeaf):
-            tensors[name] = LogicalTensor(name, leaf.dtype, leaf.shape, (_chunk(files, path.name, leaf),))
+            tensors[name] = LogicalTensor(name, leaf.dtype, leaf.shape, (_chunk(files, file, leaf),))
         elif isinstance(leaf, ChunkedLeaf):
-            tensors[name] = _chunked(files, path.name, name, leaf)
+            tensors[name] = _chunked(files, file, name, leaf)
         elif isinstance(leaf, UnknownExt):
-            objects[name] = ObjectEntry(name, leaf.nbytes, path.name,
-                                        loader=partial(_unknown, name, leaf.code, where))
+            objects[name] = ObjectEntry(name, leaf.nbytes, file, loader=partial(_unknown, name, leaf.code, where))
         else:
             assert isinstance(leaf, ValueLeaf)
-            objects[name] = ObjectEntry(name, leaf.nbytes, path.name, in_memory(leaf.value))
-    metadata: dict[str, Any] = {"arrays": len(tensors), "other_leaves": len(objects)}
-    return Checkpoint(path=path, format=NAME, tensors=tensors, objects=objects, metadata=metadata,
-                      files=(path.name,), storage=files)
+            objects[name] = ObjectEntry(name, leaf.nbytes, file, in_memory(leaf.value))
+    return tensors, objects
 
 
 def _chunk(files: ByteStore, file: str, leaf: ArrayLeaf) -> Chunk:

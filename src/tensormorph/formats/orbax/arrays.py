@@ -2,14 +2,14 @@
 with OCDBT off), each array a zarr v2 or v3 array in it, and chunk sources that read a sub-box of one chunk.
 
 tensorstore reads OCDBT and zarr without JAX, and a read of a sub-box decodes only the chunks (a zarr3 shard's
-inner chunks) that it overlaps. It reads local files itself, so this layer takes a local folder only.
+inner chunks) that it overlaps. It reads the files itself, through its own drivers (kvstores.py): a local folder,
+an S3 bucket or an HTTP server.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,8 @@ import numpy as np
 from ... import dtypes
 from ...errors import CheckpointError
 from ...extras import require
+from ...storage import AnyPath
+from .kvstores import base_spec
 from .metadata import ArrayLayout
 
 FEATURE = "reading Orbax checkpoints"
@@ -36,9 +38,10 @@ def _message(exc: BaseException) -> str:
 class ItemStore:
     """The key/value store of one Orbax item folder, opened once and shared by every array in it."""
 
-    def __init__(self, folder: Path, ocdbt: bool):
+    def __init__(self, folder: AnyPath, ocdbt: bool):
         ts = tensorstore()
         self.folder, self.ocdbt = folder, ocdbt
+        self.base, self._keep = base_spec(folder)  # _keep: a temporary AWS profile, alive as long as the store
         # one cache pool and one OCDBT manifest for all the arrays
         self.context = ts.Context({"cache_pool": {"total_bytes_limit": CACHE_BYTES}})
         try:
@@ -48,10 +51,10 @@ class ItemStore:
                                   file=str(folder / ("manifest.ocdbt" if ocdbt else ""))) from None
 
     def kvstore(self, prefix: str) -> dict[str, Any]:
-        base = {"driver": "file", "path": f"{self.folder}/"}
         if self.ocdbt:
-            return {"driver": "ocdbt", "base": base, "path": prefix}
-        return {**base, "path": f"{self.folder}/{prefix}"}
+            return {"driver": "ocdbt", "base": self.base, "path": prefix}
+        return {**self.base, "path": f"{self.base['path']}{prefix}"} if "path" in self.base \
+            else {**self.base, "base_url": f"{self.base['base_url']}{prefix}"}
 
     def describe(self, key: str) -> str:
         """Where key `key` lives, for messages: in the OCDBT database, or the file itself."""

@@ -14,6 +14,7 @@ from ...errors import CheckpointError, HeaderError, MissingFileError, Unsupporte
 from ...storage import AnyPath, ByteStore, RemotePath, store_at
 from ..contract import Detection, Problems
 from .arrays import ItemStore, ZarrArray, ZarrBox
+from .kvstores import base_spec
 from .layout import CHECKPOINT, JSON_ITEM, TREE, Layout, find
 from .metadata import (
     MAX_CHUNKS,
@@ -47,16 +48,16 @@ def _read(files: ByteStore, name: str, cap: int) -> bytes:
 
 
 def open(detection: Detection) -> Checkpoint:
-    if isinstance(detection.path, RemotePath):
-        raise UnsupportedError("is an Orbax checkpoint; those are read through tensorstore, from local folders only "
-                               "(download it first)", file=str(detection.path))
     found = detection.found if isinstance(detection.found, Layout) else find(detection.path)
     if found is None:
         raise HeaderError(f"is not an Orbax checkpoint: no {TREE} holding a tree_metadata here or in a subfolder",
                           file=str(detection.path))
-    path, items = Path(str(found.folder)), found.items  # local: the folder of a local path
+    path, items = found.folder, found.items
+    if isinstance(path, RemotePath):
+        base_spec(path)  # a protocol tensorstore cannot read fails before anything is read
     files = store_at(path)
-    _check_links(files, path)
+    if isinstance(path, Path):
+        _check_links(files, path)
     metadata: dict[str, Any] = {"items": [item for item, _ in items]}
     if found.steps:
         metadata.update(steps=list(found.steps), step=int(path.name))
@@ -76,7 +77,18 @@ def open(detection: Detection) -> Checkpoint:
         prefix = f"{item}." if len(items) > 1 else ""
         _open_item(files, path, item, prefix, tensors, objects, metadata, budget)
     return Checkpoint(path=path, format=NAME, tensors=tensors, objects=objects, metadata=metadata,
-                      files=tuple(files.list()), storage=files)
+                      files=_files(files, items), storage=files)
+
+
+def _files(files: ByteStore, items: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+    """Every file of the checkpoint; over HTTP, which lists nothing, the metadata files it was opened from and each
+    item's OCDBT manifest (the data files the manifest names are tensorstore's to find)."""
+    try:
+        return tuple(files.list())
+    except UnsupportedError:
+        known = [CHECKPOINT, *(f"{item}/{name}" if item else name for item, kind in items
+                               for name in ((JSON_ITEM,) if kind == "json" else (TREE, "manifest.ocdbt", "_sharding")))]
+        return tuple(name for name in known if files.exists(name))
 
 
 def _check_links(files: ByteStore, folder: Path) -> None:
@@ -87,7 +99,7 @@ def _check_links(files: ByteStore, folder: Path) -> None:
             files.describe(entry.relative_to(folder).as_posix())
 
 
-def _open_item(files: ByteStore, root: Path, item: str, prefix: str, tensors: dict[str, LogicalTensor],
+def _open_item(files: ByteStore, root: AnyPath, item: str, prefix: str, tensors: dict[str, LogicalTensor],
                objects: dict[str, ObjectEntry], metadata: dict[str, Any], budget: list[int]) -> None:
     """Add the leaves of item folder `item` ("" for the root), their names after `prefix`."""
     at = f"{item}/" if item else ""
