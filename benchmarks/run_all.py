@@ -35,6 +35,7 @@ BENCHMARKS = [
     ("bench_tiling", "tiling"),
     ("bench_remote", "remote"),
     ("bench_remote_store", "remote_store"),
+    ("bench_jax", "jax"),
 ]
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 README = REPO / "README.md"

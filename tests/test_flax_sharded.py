@@ -45,8 +45,9 @@ def restored() -> dict[str, np.ndarray]:
 
 
 def open_sharded(path: Path) -> tm.Checkpoint:
-    # hf_sharded, earlier in the registry, takes any *.index.json until it leaves *.msgpack.index.json to this reader
-    return tm.open(path, format="flax_msgpack")
+    ck = tm.open(path)  # detected: hf_sharded leaves *.msgpack.index.json to this reader
+    assert ck.format == "flax_msgpack"
+    return ck
 
 
 def copy(tmp_path: Path) -> Path:

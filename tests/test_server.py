@@ -284,7 +284,10 @@ def test_openapi_lists_every_endpoint(client):
                                   "/api/checkpoints/{cid}/tile", "/api/diff", "/api/diff/tile", "/api/plan",
                                   "/api/checkpoints/{cid}/search", "/api/diff/search",
                                   "/api/checkpoints/{cid}/nonfinite", "/api/checkpoints/{cid}/verify",
-                                  "/api/checkpoints/{cid}/integrity", "/api/run", "/api/run/open"}
+                                  "/api/checkpoints/{cid}/integrity", "/api/run", "/api/run/open",
+                                  "/api/history", "/api/history/open"}
+    assert "application/x-ndjson" in spec["paths"]["/api/history"]["get"]["responses"]["200"]["content"]
+    assert set(spec["paths"]["/api/history/open"]) == {"post"}
     tile_parameters = {p["name"] for p in spec["paths"]["/api/checkpoints/{cid}/tile"]["get"]["parameters"]}
     assert tile_parameters >= {"name", "r0", "r1", "c0", "c1", "h", "w", "axes", "fixed", "rank", "exact"}
     assert "application/octet-stream" in spec["paths"]["/api/diff/tile"]["get"]["responses"]["200"]["content"]

@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from starlette.routing import Route
 from starlette.testclient import TestClient
 from torch import nn
 
@@ -95,10 +94,9 @@ def build_run(base: Path) -> tuple[Path, Path, dict[int, dict[str, np.ndarray]]]
 
 
 def history_app(view: RunView | None, path: Path | None = None, **options: Any):
-    """create_app with HISTORY_ROUTES added, as server.py will add them."""
+    """The viewer's app, serving a run's newest checkpoint (or `path`)."""
     app = create_app([path or view.newest()], run=view, **options)
-    for route, endpoint, method, _ in HISTORY_ROUTES:
-        app.router.routes.insert(0, Route(route, endpoint, methods=[method]))
+    assert {route for route, *_ in HISTORY_ROUTES} <= {getattr(r, "path", None) for r in app.router.routes}
     return app
 
 

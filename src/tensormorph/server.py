@@ -9,7 +9,7 @@ The viewer remembers each tensor's statistics (the scale every tile of it shares
 and where its NaN and Inf are (flagged in approximate tiles too). Long work
 (search, verify) streams from server_streams.py; parameters parse in
 server_request.py. A folder holding only config.json opens for the Plan page. A training run's steps and
-their tiers are listed and opened by server_run.py.
+their tiers are listed and opened by server_run.py, its history streamed to the Timeline by server_history.py.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from .planner import Workload, plan
 from .planner.model import config_beside
 from .server_diff import Pairing, binary, diff_endpoint, diff_tile
 from .server_guard import Guard, is_loopback
+from .server_history import HISTORY_ROUTES
 from .server_request import (
     ApiError,
     finite,
@@ -90,6 +91,13 @@ class Viewer:
         self._nonfinite_bytes = 0
         self._lock = threading.Lock()
 
+    def successor(self, checkpoints: dict[str, Checkpoint]) -> Viewer:
+        """A viewer of other checkpoints with this one's pairing (rename, rules, transposes), sharing its tile
+        cache, whose keys name the checkpoints' files: nothing cached of these is served for those."""
+        fresh = type(self)([], rename=self.rename, rules=self.rules, transpose=self.transpose)
+        fresh.tiles = self.tiles
+        fresh.checkpoints = checkpoints
+        return fresh
     def checkpoint(self, cid: str) -> Checkpoint:
         if cid not in self.checkpoints:
             raise ApiError(404, f"no checkpoint {cid!r}; this viewer serves {sorted(self.checkpoints)}")
@@ -357,6 +365,9 @@ def _operation(summary: str, parameters: list[str], binary: bool = False, stream
 
 
 _REGION = ["name", "r0", "r1", "c0", "c1", "h", "w", "axes", "fixed", "exact", "shuffle"]
+# a training run's routes (server_run.py, server_history.py): (path, endpoint, method, query parameters)
+_METHOD_ROUTES = [*RUN_ROUTES, *HISTORY_ROUTES]
+_STREAMED = {"/api/history"}  # answered in NDJSON lines
 OPENAPI: dict[str, Any] = {
     "openapi": "3.0.0",
     "info": {"title": "Tensormorph viewer", "version": "1", "description": "See docs/viewer-api.md."},
@@ -373,8 +384,8 @@ OPENAPI: dict[str, Any] = {
                                                                "optimize", "link"]),
         **{path: _operation(endpoint.__doc__ or "", parameters, stream=True)
            for path, endpoint, parameters in STREAM_ROUTES},
-        **{path: {method.lower(): _operation(endpoint.__doc__ or "", parameters)["get"]}
-           for path, endpoint, method, parameters in RUN_ROUTES},
+        **{path: {method.lower(): _operation(endpoint.__doc__ or "", parameters, stream=path in _STREAMED)["get"]}
+           for path, endpoint, method, parameters in _METHOD_ROUTES},
     },
 }
 
@@ -409,7 +420,7 @@ def create_app(paths: list[str | Path], *, host: str = "127.0.0.1", token: str |
         Route("/api/diff/tile", diff_tile),
         Route("/api/plan", plan_endpoint),
         *(Route(path, endpoint) for path, endpoint, _ in STREAM_ROUTES),
-        *(Route(path, endpoint, methods=[method]) for path, endpoint, method, _ in RUN_ROUTES),
+        *(Route(path, endpoint, methods=[method]) for path, endpoint, method, _ in _METHOD_ROUTES),
         Mount("/", StaticFiles(directory=WEB, html=True), name="page"),
     ]
 

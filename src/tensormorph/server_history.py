@@ -153,7 +153,7 @@ def open_pair_endpoint(request: Request) -> JSONResponse:
 def _serve_pair(state: Any, run: RunView, paths: list[Any]) -> list[Checkpoint]:
     """Serve the folders `paths` as a and b: a new viewer (sharing the tile cache) replaces the app's, so that
     nothing cached of the checkpoints it served before is taken for these; those no longer served are closed."""
-    with run._opening:  # the Run panel's lock: one opening at a time, whichever page asked
+    with run.opening:  # the Run panel's lock: one opening at a time, whichever page asked
         viewer: Viewer = state.viewer
         served = {str(ck.path): ck for ck in viewer.checkpoints.values()}
         opened: list[Checkpoint] = []
@@ -170,10 +170,7 @@ def _serve_pair(state: Any, run: RunView, paths: list[Any]) -> list[Checkpoint]:
                 if ck not in viewer.checkpoints.values():
                     ck.close()
             raise
-        fresh = type(viewer)([], rename=viewer.rename)
-        fresh.tiles = viewer.tiles
-        fresh.checkpoints = {NEWEST_ID: opened[0], STEP_ID: opened[1]}
-        state.viewer = fresh
+        state.viewer = viewer.successor({NEWEST_ID: opened[0], STEP_ID: opened[1]})
         for ck in viewer.checkpoints.values():
             if all(ck is not kept for kept in opened):
                 ck.close()  # its maps close once the requests still reading it let go

@@ -64,7 +64,7 @@ class RunView:
     remote: str | None = None
     read_budget: int = DEFAULT_READ_BUDGET
     remote_storage_options: dict[str, Any] | None = None
-    _opening: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    opening: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one step opened at a time
 
     def __post_init__(self) -> None:
         self.root = Path(self.root).absolute()
@@ -122,17 +122,14 @@ class RunView:
         new viewer put in `state` (the app's), which shares the tile cache and checkpoint a, so that nothing cached
         of the step it replaces (summary, statistics, diff) is taken for this one."""
         path = self.folder(step, tier)
-        with self._opening:
+        with self.opening:
             viewer: Viewer = state.viewer
             for cid, ck in viewer.checkpoints.items():
                 if str(ck.path) == str(path):
                     return cid, ck
             options = None if isinstance(path, Path) else self.remote_storage_options
             opened = open_checkpoint(str(path), "tensormorph", read_budget=self.read_budget, storage_options=options)
-            fresh = type(viewer)([], rename=viewer.rename)
-            fresh.tiles = viewer.tiles
-            fresh.checkpoints = {NEWEST_ID: viewer.checkpoints[NEWEST_ID], STEP_ID: opened}
-            state.viewer = fresh
+            state.viewer = viewer.successor({NEWEST_ID: viewer.checkpoints[NEWEST_ID], STEP_ID: opened})
             replaced: Checkpoint | None = viewer.checkpoints.get(STEP_ID)
             if replaced is not None:
                 replaced.close()  # its maps close once the requests still reading it let go

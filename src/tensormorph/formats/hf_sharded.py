@@ -25,17 +25,18 @@ MAX_INDEX_TENSORS = 1_000_000  # tensors one index may name; the largest real ch
 MAX_INDEX_FILES = 100_000  # files one index may name (each is opened and its header read); real ones name < 2,000
 DETECT_BYTES = 1 << 20  # the start of an index searched for "weight_map" when detecting
 PREFERRED_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+FLAX_INDEX_SUFFIX = ".msgpack.index.json"  # sharded Flax files: formats/flax_msgpack reads those
 
 
 def _index_file(path: AnyPath) -> AnyPath | None:
     if path.is_file():
-        return path if path.name.endswith(".index.json") else None
+        return path if path.name.endswith(".index.json") and not path.name.endswith(FLAX_INDEX_SUFFIX) else None
     if not path.is_dir():
         return None
     for name in PREFERRED_INDEXES:
         if lexists(path / name):  # whatever it is: a link to a device or a folder is refused on open
             return path / name
-    others = entries(path, "*.index.json")
+    others = [p for p in entries(path, "*.index.json") if not p.name.endswith(FLAX_INDEX_SUFFIX)]
     return others[0] if others else None
 
 
