@@ -173,6 +173,9 @@ class LogicalTensor:
 
     @property
     def files(self) -> tuple[str, ...]:
+        if len(self.chunks) == 1:  # most tensors: no generator, no dict
+            file = self.chunks[0].file
+            return () if file is None else (file,)
         return tuple(dict.fromkeys(c.file for c in self.chunks if c.file is not None))
 
     @property

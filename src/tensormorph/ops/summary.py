@@ -6,12 +6,14 @@ from collections import Counter
 from typing import Any
 
 from ..core import Checkpoint, Chunk, LogicalTensor
+from ..dtypes import itemsize
 from .tree import module_tree
 
 
-def split_description(tensor: LogicalTensor) -> str:
-    """How a tensor is stored, in words: file-level shard, placement chunks, or one piece (and its encoding)."""
-    encoding = stored_encoding(tensor)
+def split_description(tensor: LogicalTensor, encoding: dict[str, Any] | None = None) -> str:
+    """How a tensor is stored, in words: file-level shard, placement chunks, or one piece (and its encoding,
+    `stored_encoding(tensor)`, when the caller has it already)."""
+    encoding = encoding or stored_encoding(tensor)
     detail = f", {encoding['description']}" if encoding else ""
     if tensor.reduction is not None:
         detail = f", {tensor.reduction.describe()}{detail}"
@@ -51,9 +53,11 @@ def chunk_record(chunk: Chunk) -> dict[str, Any]:
 
 
 def tensor_record(tensor: LogicalTensor, *, chunks: bool = True) -> dict[str, Any]:
+    numel, encoding = tensor.numel, stored_encoding(tensor)
     record: dict[str, Any] = {
-        "name": tensor.name, "dtype": tensor.dtype, "shape": list(tensor.shape), "numel": tensor.numel,
-        "nbytes": tensor.nbytes, "split": split_description(tensor), "files": list(tensor.files),
+        "name": tensor.name, "dtype": tensor.dtype, "shape": list(tensor.shape), "numel": numel,
+        "nbytes": numel * itemsize(tensor.dtype), "split": split_description(tensor, encoding),
+        "files": list(tensor.files),
         "file_shard": list(tensor.file_shard) if tensor.file_shard else None,
         "placement": None if tensor.placement is None else {
             "mesh_shape": list(tensor.placement.mesh_shape), "placements": list(tensor.placement.placements),
@@ -62,7 +66,7 @@ def tensor_record(tensor: LogicalTensor, *, chunks: bool = True) -> dict[str, An
             "op": tensor.reduction.op, "contributions": tensor.reduction.contributions,
             "mesh_dims": list(tensor.reduction.mesh_dims)},
         "chunk_count": len(tensor.chunks),
-        "encoding": stored_encoding(tensor),
+        "encoding": encoding,
     }
     if chunks:
         record["chunks"] = [chunk_record(c) for c in tensor.chunks]

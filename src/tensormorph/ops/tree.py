@@ -6,10 +6,12 @@ as `layers.0..31 ×32`, so a 32-layer model reads like its code.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..core import LogicalTensor
+from ..dtypes import itemsize
 
 
 @dataclass(eq=False)
@@ -56,19 +58,19 @@ def module_tree(tensors: Iterable[LogicalTensor], *, fold: bool = True) -> Modul
 
 def _summarise(node: ModuleNode, shapes: dict[tuple, int]) -> None:
     """Totals per node, and an interned id of its structure so that folding compares integers."""
-    files: set[str] = set()
     own = None
     if node.tensor is not None:
         t = node.tensor
-        node.params, node.nbytes = t.numel, t.nbytes
-        node.dtypes[t.dtype] = t.nbytes
-        node.placement_sharded = t.is_placement_sharded
-        files.update(t.files)
+        node.params = math.prod(t.shape)
+        node.nbytes = node.params * itemsize(t.dtype)
+        node.dtypes[t.dtype] = node.nbytes
+        node.placement_sharded = len(t.chunks) > 1
+        # one chunk is one file: the set is built only for the tensors split over several
+        node.multi_file = node.placement_sharded and len({c.file for c in t.chunks if c.file is not None}) > 1
         own = (t.shape, t.dtype)
     for child in node.children.values():
         _summarise(child, shapes)
         _absorb(node, child)
-    node.multi_file |= len(files) > 1
     # sorted: formats list tensors in different orders (DCP sorts its fqns as text), and the order of a
     # layer's parameters must not decide whether two layers look alike
     key = (own, tuple(sorted((name, child.shape_id) for name, child in node.children.items())))
@@ -99,6 +101,8 @@ def _numbers_in_order(children: dict[str, ModuleNode]) -> list[tuple[str, Module
 
 
 def _fold(node: ModuleNode) -> None:
+    if not node.children:
+        return
     for child in node.children.values():
         _fold(child)
     folded: dict[str, ModuleNode] = {}
