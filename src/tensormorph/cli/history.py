@@ -26,7 +26,7 @@ MAX_METRICS_SHOWN = 4  # metrics per row in the table (--json has them all)
               help="Read only N blocks of each tensor (the same ones every time): a quick estimate.")
 @click.option("--no-cache", "no_cache", is_flag=True, help="Compute every pair afresh; read and write no cache.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
-              help="Keep the drift cache in this folder instead of the run's folder.")
+              help="Keep the drift cache in this folder instead of the run's folder (a URL's: the local cache folder).")
 @click.option("--top", "top", type=click.IntRange(min=0), default=5, show_default=True,
               help="How many of the most-moved layers to list.")
 @click.option("-o", "--output", "output", type=click.Path(dir_okay=False), default=None,
@@ -36,9 +36,10 @@ MAX_METRICS_SHOWN = 4  # metrics per row in the table (--json has them all)
 @fails_cleanly
 def history_command(run: str, sample: int | None, no_cache: bool, cache_dir: str | None, top: int,
                     output: str | None, cmap: str | None, norm: str | None, size_text: str, as_json: bool) -> None:
-    """RUN's checkpoints in order (a Checkpointer root, or any folder of checkpoints): step, time, size, status by
-    a quick verify, the metrics the run saved, and each one's drift from the one before, per layer
-    (‖Δ‖/‖w‖, streamed), with the layers that moved most and the first NaN or infinity of each tensor."""
+    """RUN's checkpoints in order (a Checkpointer root, or any folder of checkpoints; local or an object store's
+    URL): step, time, size, status by a quick verify, the metrics the run saved, and each one's drift from the one
+    before, per layer (‖Δ‖/‖w‖, streamed), with the layers that moved most and the first NaN or infinity of each
+    tensor."""
     size = parse_size(size_text)
     if output is not None:
         picture_path(output)  # a wrong suffix fails before the run is read

@@ -1,7 +1,8 @@
 """A run's history: every checkpoint of a folder in order, its health, and how far each moved from the one before.
 
 A run is a Checkpointer root (`step-NNNNNNNN` folders whose manifests carry a training record) or any folder of
-checkpoints in formats `tensormorph.open` reads, ordered by the step number in their names, else by time.
+checkpoints in formats `tensormorph.open` reads, ordered by the step number in their names, else by time; local, or
+under an object store's URL (then every size and version is asked afresh, and the cache is kept locally).
 Per checkpoint: step, time, size, the Checkpointer's record (its commit number and the caller's `extra` metrics)
 and a status from a quick verify (the manifest, and every data file present with its recorded size; no checksum
 pass). Per consecutive pair of readable checkpoints (history_drift): each layer's relative update ‖b - a‖/‖a‖,
@@ -17,6 +18,7 @@ import re
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,8 @@ import crc32c
 from ..core import Checkpoint
 from ..errors import CheckpointError, MissingFileError, UncommittedCheckpointError, UnknownFormatError
 from ..formats import open_checkpoint
-from ..storage import ByteStore, is_url, open_regular, store_at
+from ..storage import AnyPath, ByteStore, RemotePath, as_path, entries, is_url, open_regular, store_at
+from ..storage.range_cache import default_cache_folder
 from ..tmformat.checkpoint import read_manifest
 from ..tmformat.manifest import FORMAT, MANIFEST, MAX_MANIFEST_BYTES, SAVE_MARKER, TEMP_PREFIX, Manifest
 from .history_drift import (
@@ -45,6 +48,9 @@ TRAIN_KEY = "tensormorph.train"  # the Checkpointer's record in a manifest's ext
 ABANDONED_PREFIX = "abandoned-"  # a checkpoint a rollback set aside (train.manager.ABANDONED_PREFIX)
 CACHE_FILE = ".tensormorph-history.json"  # in the run's folder, unless a cache folder is given
 SAVES_FILE = ".tensormorph-saves.jsonl"  # the Checkpointer's record of saves (train.records.SAVES_FILE)
+ROLLBACK_FILE = ".tensormorph-rollback.json"  # the last rollback's marker (train.rollback.ROLLBACK_FILE)
+MAX_MARKER_BYTES = 4 << 20  # the most of that marker read (train.rollback.MAX_MARKER_BYTES)
+REMOTE_CACHE_FOLDER = "history"  # under the range cache's folder: the caches of runs on object stores
 MAX_SAVES_BYTES = 16 << 20  # the end of that record read: ~150,000 saves
 MODEL_PREFIX = "model."  # a training checkpoint's weights: drift leaves optimizer state out
 _NUMBER = re.compile(r"\d+")
@@ -147,27 +153,29 @@ class History:
 
 def history(run: str | os.PathLike[str], *, sample: int | None = None, cache: bool = True,
             cache_dir: str | os.PathLike[str] | None = None, threads: int = 2,
-            progress: Callable[[int, int], None] | None = None) -> History:
-    """The history of the run in the folder `run` (see the module's notes). `sample` reads that many blocks of
-    each tensor (the same ones every time) for an estimate; `cache=False` neither reads nor writes the cache,
-    kept in the run folder or, with `cache_dir`, in that folder. `progress` receives (pairs done, pairs in all)."""
+            progress: Callable[[int, int], None] | None = None,
+            storage_options: dict[str, Any] | None = None) -> History:
+    """The history of the run in the folder `run`, local or a URL (see the module's notes). `sample` reads that many
+    blocks of each tensor (the same ones every time) for an estimate; `cache=False` neither reads nor writes the
+    cache, kept in the run folder (a run on an object store: in the local cache folder, range_cache's
+    `default_cache_folder()/history`) or, with `cache_dir`, in that folder. `progress` receives (pairs done, pairs
+    in all); `storage_options` go to fsspec for a URL."""
     if sample is not None and sample < 1:
         raise CheckpointError(f"sample must be at least 1 block per tensor, got {sample}")
-    if is_url(run):
-        raise CheckpointError("history reads a local run folder; copy the run from its object store first",
-                              file=str(run))
-    root = Path(run).absolute()
+    root = _root(run, storage_options)
     if not root.is_dir():
         raise MissingFileError("is not a folder of checkpoints", file=str(root))
     if (root / MANIFEST).exists():
         raise CheckpointError("is one checkpoint, not a run: give the folder that holds the checkpoints",
                               file=str(root))
     records, manifests = _records(root)
-    _attach_saves(root, records)
+    if isinstance(root, Path):  # the Checkpointer keeps its record of saves on the local disk only
+        _attach_saves(root, records)
     cache_path = None
     if cache:
-        cache_path = root / CACHE_FILE if cache_dir is None else \
-            Path(cache_dir) / f"history-{hashlib.sha256(str(root).encode()).hexdigest()[:16]}.json"
+        cache_path = root / CACHE_FILE if cache_dir is None and isinstance(root, Path) else \
+            Path(cache_dir if cache_dir is not None else default_cache_folder() / REMOTE_CACHE_FOLDER) / \
+            f"history-{hashlib.sha256(str(root).encode()).hexdigest()[:16]}.json"
     store = DriftCache(cache_path)
     result = History(str(root), records, sample, cache_file=None if cache_path is None else str(cache_path))
     chain = [r for r in records if r.status == "committed"]
@@ -175,7 +183,7 @@ def history(run: str | os.PathLike[str], *, sample: int | None = None, cache: bo
     identities: set[str] = set()  # of the readable checkpoints: cached pairs of others are dropped
     try:
         for done, record in enumerate(chain):
-            ck = _open(record)
+            ck = _open(record, root / record.name)
             if ck is None:
                 continue
             try:
@@ -203,11 +211,29 @@ def history(run: str | os.PathLike[str], *, sample: int | None = None, cache: bo
     return result
 
 
-def _open(record: CheckpointRecord) -> Checkpoint | None:
-    """The record's checkpoint, opened: a quick verify (headers, every file present and whole). When that fails,
-    the record says damaged and None is returned."""
+def _root(run: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> AnyPath:
+    """The run's folder: a local path made absolute, or a URL whose sizes and versions will all be asked afresh."""
+    if not is_url(run):
+        return Path(run).absolute()
+    root = as_path(run, storage_options)
+    if isinstance(root, RemotePath):
+        # a run changes under its URL: no listing, size or version is taken from the range cache's records (trusted
+        # for a while without asking), so each checkpoint's identity is that of the objects there now
+        root.remote.forget(root.url)
+        # fsspec's invalidate_cache (which forget calls) drops the listings of a folder and its parents, not of the
+        # folders under it, where a replaced checkpoint's objects are
+        fs, prefix = root.remote.fs, root.remote.path(root.url).rstrip("/")
+        dircache = getattr(fs, "dircache", {})
+        for key in [k for k in dircache if k == prefix or k.startswith(f"{prefix}/")]:
+            dircache.pop(key, None)
+    return root
+
+
+def _open(record: CheckpointRecord, place: AnyPath) -> Checkpoint | None:
+    """The record's checkpoint, opened from `place`: a quick verify (headers, every file present and whole). When
+    that fails, the record says damaged and None is returned."""
     try:
-        ck = open_checkpoint(record.path)
+        ck = open_checkpoint(place)
     except CheckpointError as exc:
         record.status, record.problem = "damaged", str(exc)
         return None
@@ -276,15 +302,16 @@ def _identity(ck: Checkpoint, manifest: bytes | None) -> str:
     return "files:" + hashlib.sha256("\n".join(listed).encode()).hexdigest()[:32]
 
 
-def _records(root: Path) -> tuple[list[CheckpointRecord], dict[str, bytes]]:
+def _records(root: AnyPath) -> tuple[list[CheckpointRecord], dict[str, bytes]]:
     """Every checkpoint entry of the folder, in order, with the manifest bytes of the Tensormorph ones."""
     records, manifests = [], {}
-    for entry in sorted(root.iterdir()):
+    abandoned = _abandoned(root)
+    for entry in entries(root):
         name = entry.name
         if name.startswith(".") and not name.startswith(TEMP_PREFIX):
             continue  # our cache, the Checkpointer's own files
         try:
-            record = CheckpointRecord(name, str(entry), _step_in(name), _mtime(entry), _size(entry), "committed")
+            record = CheckpointRecord(name, str(entry), _step_in(name), *_stat(entry), "committed")
         except FileNotFoundError:
             continue  # gone since the listing: a live run's retention, or a save's folder renamed at its commit
         if name.startswith(ABANDONED_PREFIX):
@@ -293,6 +320,8 @@ def _records(root: Path) -> tuple[list[CheckpointRecord], dict[str, bytes]]:
             raw = _manifest(entry, record)
             if raw is not None:
                 manifests[record.path] = raw
+            if (record.step, record.seq) in abandoned:  # an object store's abandoned checkpoints stay in place
+                record.status = "abandoned"
         elif name.startswith(TEMP_PREFIX):
             continue  # a save's folder before its marker exists: nothing to say yet
         elif _STEP_FOLDER.fullmatch(name) and entry.is_dir():
@@ -307,7 +336,17 @@ def _records(root: Path) -> tuple[list[CheckpointRecord], dict[str, bytes]]:
     return records, manifests
 
 
-def _manifest(folder: Path, record: CheckpointRecord) -> bytes | None:
+def _abandoned(root: AnyPath) -> set[tuple[int | None, int | None]]:
+    """The (step, commit number) pairs the run's rollback marker abandons; none when it has no readable marker (resume
+    and `tensormorph list` report a damaged one)."""
+    try:
+        raw = store_at(root).read_json(ROLLBACK_FILE, MAX_MARKER_BYTES, "rollback marker")
+        return {(int(step), int(seq)) for step, seq in raw["abandoned"]}
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return set()
+
+
+def _manifest(folder: AnyPath, record: CheckpointRecord) -> bytes | None:
     """Read a Tensormorph folder's manifest into the record (training record, metrics); its bytes, or None when it
     has none (the record then says incomplete or damaged)."""
     files = store_at(folder)
@@ -379,7 +418,7 @@ def _metrics(value: Any, prefix: str = "") -> dict[str, float]:
     return found
 
 
-def _is_checkpoint(entry: Path) -> bool:
+def _is_checkpoint(entry: AnyPath) -> bool:
     """A file or folder some reader recognises (a damaged one too: only an unknown format is left out)."""
     try:
         open_checkpoint(entry).close()
@@ -400,11 +439,24 @@ def _step_in(name: str) -> int | None:
     return int(numbers[-1]) if numbers else None
 
 
-def _mtime(entry: Path) -> float:
-    return entry.lstat().st_mtime
-
-
-def _size(entry: Path) -> int:
+def _stat(entry: AnyPath) -> tuple[float, int]:
+    """(modification time, bytes) of a file, or of the files in a folder (its own time; on an object store, which has
+    no folders, that of its newest file)."""
+    if isinstance(entry, RemotePath):
+        found = entry.remote.fs.find(entry.remote.path(entry.url), detail=True).values()  # one listing request
+        return max((_seconds(info) for info in found), default=0.0), sum(int(i.get("size") or 0) for i in found)
     if not entry.is_dir() or entry.is_symlink():
-        return entry.lstat().st_size
-    return sum(p.lstat().st_size for p in entry.rglob("*") if p.is_file() and not p.is_symlink())
+        return entry.lstat().st_mtime, entry.lstat().st_size
+    return entry.lstat().st_mtime, sum(p.lstat().st_size for p in entry.rglob("*")
+                                       if p.is_file() and not p.is_symlink())
+
+
+def _seconds(info: dict[str, Any]) -> float:
+    """An object's modification time in seconds since the epoch, as its fsspec client gives it; 0 when it gives none."""
+    for key in ("LastModified", "mtime", "last_modified", "created"):
+        value = info.get(key)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, int | float):
+            return float(value)
+    return 0.0

@@ -145,10 +145,9 @@ def _boxes(name: str, a: LogicalTensor, b: LogicalTensor, sample: int | None,
 
 def _read(tensor: LogicalTensor, box: tuple[slice, ...], side: str) -> np.ndarray:
     try:
-        values = np.asarray(tensor.read(box), dtype=np.float64).reshape(-1)
+        return np.asarray(tensor.read(box)).reshape(-1)
     except CheckpointError as exc:
         raise ReadFailure(side, exc) from exc
-    return values if values.flags.writeable else values.copy()  # the difference is computed in place
 
 
 def _tensor_drift(name: str, a: LogicalTensor, b: LogicalTensor, sample: int | None,
@@ -156,18 +155,27 @@ def _tensor_drift(name: str, a: LogicalTensor, b: LogicalTensor, sample: int | N
     """(Σ(b-a)², Σa², (NaNs, infs) of a, of b, elements read), the sums scaled up when sampled."""
     delta_sq = weight_sq = 0.0
     nan_a = inf_a = nan_b = inf_b = elements = 0
+    # two float64 blocks reused for every block of the tensor: memory this large is mapped afresh at each allocation,
+    # and faulting fresh pages in costs more than the arithmetic
+    buffers = np.empty(0), np.empty(0)
     for box in _boxes(name, a, b, sample, block_bytes):
-        x, y = _read(a, box, "a"), _read(b, box, "b")
+        raw_x, raw_y = _read(a, box, "a"), _read(b, box, "b")
+        if buffers[0].size < raw_x.size:
+            buffers = np.empty(raw_x.size), np.empty(raw_x.size)
+        x, y = buffers[0][:raw_x.size], buffers[1][:raw_x.size]
+        x[...], y[...] = raw_x, raw_y
         elements += x.size
-        finite_x, finite_y = np.isfinite(x), np.isfinite(y)
-        if not (finite_x.all() and finite_y.all()):
+        weight = float(np.dot(x, x))
+        if not (math.isfinite(weight) and math.isfinite(float(np.dot(y, y)))):  # a NaN or an infinity in the block
+            finite_x, finite_y = np.isfinite(x), np.isfinite(y)
             nans_x, nans_y = int(np.isnan(x).sum()), int(np.isnan(y).sum())
             nan_a, inf_a = nan_a + nans_x, inf_a + int(x.size - finite_x.sum()) - nans_x
             nan_b, inf_b = nan_b + nans_y, inf_b + int(y.size - finite_y.sum()) - nans_y
             both = finite_x & finite_y
             x, y = x[both], y[both]
-        weight_sq += float(np.dot(x, x))
-        delta = np.subtract(y, x, out=y)  # y is not needed again: one float64 block less in memory
+            weight = float(np.dot(x, x))
+        weight_sq += weight
+        delta = np.subtract(y, x, out=y)  # y is not needed again
         delta_sq += float(np.dot(delta, delta))
     if sample is not None and elements and elements < a.numel:
         scale = a.numel / elements
