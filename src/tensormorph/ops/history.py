@@ -220,12 +220,6 @@ def _root(run: str | os.PathLike[str], storage_options: dict[str, Any] | None) -
         # a run changes under its URL: no listing, size or version is taken from the range cache's records (trusted
         # for a while without asking), so each checkpoint's identity is that of the objects there now
         root.remote.forget(root.url)
-        # fsspec's invalidate_cache (which forget calls) drops the listings of a folder and its parents, not of the
-        # folders under it, where a replaced checkpoint's objects are
-        fs, prefix = root.remote.fs, root.remote.path(root.url).rstrip("/")
-        dircache = getattr(fs, "dircache", {})
-        for key in [k for k in dircache if k == prefix or k.startswith(f"{prefix}/")]:
-            dircache.pop(key, None)
     return root
 
 

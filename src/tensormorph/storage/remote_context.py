@@ -104,6 +104,11 @@ class Remote:
         invalidate = getattr(self.fs, "invalidate_cache", None)
         if invalidate is not None:
             invalidate(self.path(prefix))
+        # invalidate_cache drops the listings of a folder and its parents, not of the folders under it
+        folder = self.path(prefix).rstrip("/")
+        listings = getattr(self.fs, "dircache", {})
+        for key in [k for k in listings if k == folder or k.startswith(f"{folder}/")]:
+            listings.pop(key, None)
 
     def path(self, url: str) -> str:
         """What the fs calls the object at `url` (object stores drop the scheme; HTTP keeps the URL)."""
