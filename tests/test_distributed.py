@@ -11,6 +11,7 @@ same slice of the full tensor.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -26,6 +27,7 @@ import torch.multiprocessing as tmp
 from torch.multiprocessing.spawn import ProcessException
 
 import tensormorph as tm
+from tensormorph.core import DIRECT_READ_MIN
 from tensormorph.errors import StateMismatchError, UncommittedCheckpointError
 from tensormorph.tmformat.manifest import MANIFEST, TEMP_PREFIX
 
@@ -224,6 +226,16 @@ def test_load_names_file_and_tensor_on_a_damaged_block(saved, tmp_path):
     # byte still find it: the block's other bytes are read to complete its checksum
     with pytest.raises(tm.CheckpointError, match="CRC-32C"):
         tm.open(copy)["model.w"][2002:2003, 801:802]
+    # the whole chunk: one contiguous run of over 1 MiB, read straight into the result and checked against the
+    # bytes read there; the same read of an intact chunk gives its values
+    whole = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))
+    assert math.prod(chunk.shape) * 4 >= DIRECT_READ_MIN
+    with pytest.raises(tm.CheckpointError, match="CRC-32C") as info:
+        tm.open(copy)["model.w"][whole]
+    assert chunk.file in str(info.value)
+    intact = min(ck["model.w"].chunks, key=lambda c: c.byte_range[0])
+    box = tuple(slice(o, o + n) for o, n in zip(intact.offsets, intact.shape))
+    assert tm.open(copy)["model.w"][box].tobytes() == w.full_tensor("model.w")[box].numpy().tobytes()
     from tensormorph.storage import LocalFiles
     from tensormorph.tmformat.checkpoint import read_manifest
     from tensormorph.tmformat.reader import BoxReader

@@ -44,8 +44,9 @@ class ChunkSource(Protocol):
 
     A source backed by a memory map may also offer `advise(index, advice)`, which reads use to
     prefetch exactly the bytes of a region and to release them once copied, and `read_into(index,
-    target)` to read a contiguous region straight into the result. A source with checksums offers
-    `verify(index)`, called before a region is read; its `array()` then returns data unchecked, while
+    target)` to read a contiguous region straight into the result (a source with checksums checks the bytes it
+    read there). A source with checksums offers `verify(index)`, called before a region is read through
+    `array()`, which then returns data unchecked, while
     `Chunk.read()` (the whole chunk) goes through `checked()` when the source has it.
     """
 
@@ -229,10 +230,10 @@ class LogicalTensor:
         read_into = getattr(chunk.source, "read_into", None)
         verify = getattr(chunk.source, "verify", None)
         try:
+            if read_into is not None and read_into(source_index, out[target_index]):
+                return  # a source with checksums checks what it read
             if verify is not None:
                 verify(source_index)  # formats with block checksums check what this read touches
-            if read_into is not None and read_into(source_index, out[target_index]):
-                return
             if advise is not None:
                 advise(source_index, "willneed")  # the kernel fetches exactly these bytes, in parallel
             out[target_index] = chunk.source.array()[source_index] if verify else chunk.read()[source_index]
