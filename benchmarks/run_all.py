@@ -36,6 +36,8 @@ BENCHMARKS = [
     ("bench_remote", "remote"),
     ("bench_remote_store", "remote_store"),
     ("bench_jax", "jax"),
+    ("bench_history", "history"),
+    ("bench_measure", "measure"),
 ]
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 README = REPO / "README.md"

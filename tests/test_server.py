@@ -285,7 +285,7 @@ def test_openapi_lists_every_endpoint(client):
                                   "/api/checkpoints/{cid}/search", "/api/diff/search",
                                   "/api/checkpoints/{cid}/nonfinite", "/api/checkpoints/{cid}/verify",
                                   "/api/checkpoints/{cid}/integrity", "/api/run", "/api/run/open",
-                                  "/api/history", "/api/history/open"}
+                                  "/api/history", "/api/history/open", "/api/plan/measure"}
     assert "application/x-ndjson" in spec["paths"]["/api/history"]["get"]["responses"]["200"]["content"]
     assert set(spec["paths"]["/api/history/open"]) == {"post"}
     tile_parameters = {p["name"] for p in spec["paths"]["/api/checkpoints/{cid}/tile"]["get"]["parameters"]}

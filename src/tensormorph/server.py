@@ -46,6 +46,7 @@ from .planner.model import config_beside
 from .server_diff import Pairing, binary, diff_endpoint, diff_tile
 from .server_guard import Guard, is_loopback
 from .server_history import HISTORY_ROUTES
+from .server_measure import MEASURE_ROUTES
 from .server_request import (
     ApiError,
     finite,
@@ -365,8 +366,9 @@ def _operation(summary: str, parameters: list[str], binary: bool = False, stream
 
 
 _REGION = ["name", "r0", "r1", "c0", "c1", "h", "w", "axes", "fixed", "exact", "shuffle"]
-# a training run's routes (server_run.py, server_history.py): (path, endpoint, method, query parameters)
-_METHOD_ROUTES = [*RUN_ROUTES, *HISTORY_ROUTES]
+# a training run's routes (server_run.py, server_history.py) and a plan's measurement (server_measure.py):
+# (path, endpoint, method, query parameters)
+_METHOD_ROUTES = [*RUN_ROUTES, *HISTORY_ROUTES, *MEASURE_ROUTES]
 _STREAMED = {"/api/history"}  # answered in NDJSON lines
 OPENAPI: dict[str, Any] = {
     "openapi": "3.0.0",

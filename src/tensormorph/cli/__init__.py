@@ -13,6 +13,7 @@ from .compare import diff_command
 from .convert import convert_command
 from .history import history_command
 from .integrity import repair_command, verify_command
+from .measure import measure_command
 from .output import parse_storage_options
 from .pictures import heatmap_command
 from .plan import plan_command
@@ -40,7 +41,8 @@ def main(ctx: click.Context, storage_options: tuple[str, ...], cache_dir: str | 
 
 
 for _command in (inspect, show, stats, diff_command, verify_command, repair_command, convert_command, view_command,
-                 plan_command, list_command, tiers_command, history_command, rollback_command, heatmap_command):
+                 plan_command, measure_command, list_command, tiers_command, history_command, rollback_command,
+                 heatmap_command):
     main.add_command(_command)
 
 __all__ = ["main"]

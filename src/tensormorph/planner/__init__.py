@@ -10,6 +10,7 @@
     p.to_llama_cpp().args, str(p.to_vllm()), p.accelerate_settings()   # the runtimes' own settings
     p.load("Llama-3-8B")                       # each tensor straight to its device (torch)
     tm.plan.resident(model)                    # bytes a loaded model holds per device (torch)
+    tm.planner.measure("tiny-llama", devices)  # run the plan on one process per stage: measured vs predicted
 
 Planning reads only metadata and needs numpy alone; `Plan.load` and `resident` import torch.
 """
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 from .devices import local_devices, parse_device, parse_devices
 from .export import RuntimeCommand
+from .measure_result import Measurement, PhaseTimes, StageMeasurement
+from .measure_run import measure
 from .result import Bottleneck, DeviceUsage, Plan, Shortfall
 from .runtime import resident
 from .solve import plan
@@ -25,5 +28,6 @@ from .spec import Device, PlanError, Workload
 
 plan.resident = resident  # type: ignore[attr-defined]  # tensormorph.plan.resident(model)
 
-__all__ = ["Bottleneck", "Device", "DeviceUsage", "Plan", "PlanError", "RuntimeCommand", "Shortfall", "Workload",
-           "local_devices", "parse_device", "parse_devices", "plan", "resident"]
+__all__ = ["Bottleneck", "Device", "DeviceUsage", "Measurement", "PhaseTimes", "Plan", "PlanError", "RuntimeCommand",
+           "Shortfall", "StageMeasurement", "Workload", "local_devices", "parse_device", "parse_devices", "plan",
+           "measure", "resident"]

@@ -2,6 +2,8 @@
 // drawn as one stacked bar per device (weights, KV cache, activations, reserve, free), sized by memory.
 // It says what it plans: a decoder's prefill and decoding with a KV cache, or an encoder's one forward pass
 // (no KV cache, no decoding). A folder holding only a config.json opens here (#ck=ID picks a checkpoint).
+// "Measure" runs the plan on one process per device (POST /api/plan/measure) and shows, beside each bar, what the
+// stage measured against what the plan predicted for it.
 
 import { ApiError, apiUrl, getJSON } from './api.js';
 import { bytes, count, el, int } from './format.js';
@@ -9,19 +11,21 @@ import { bytes, count, el, int } from './format.js';
 const $ = (id) => document.getElementById(id);
 
 /** What is on screen, readable by tests through window.tensormorphPlan.state. */
-const state = { checkpoints: [], plan: null, error: null, runs: 0 };
+const state = { checkpoints: [], plan: null, error: null, runs: 0, measurement: null, measureError: null, measures: 0 };
+const FAR = 2;  // a measured stage time beyond ×2 of the prediction, either way, is flagged
 const SEGMENTS = [['weights', 'weights', 'weights'], ['kv', 'kv_cache', 'KV cache'],
   ['act', 'activations', 'activations'], ['reserve', 'reserve', 'reserve']];
 
 let resolveReady;
 const ready = new Promise((resolve) => { resolveReady = resolve; });
 
-function request() {
-  const value = (id) => $(id).value.trim();
-  const url = new URL(apiUrl('/api/plan', {
-    ck: value('ck'), context: value('context'), batch: value('batch'), prefill_chunk: value('prefill-chunk'),
-    cache_dtype: value('cache-dtype'), link: value('link'), strategy: value('strategy'), optimize: value('optimize'),
-    uneven: $('uneven').checked ? 1 : null,
+const field = (id) => $(id).value.trim();
+
+function request(path = '/api/plan', extra = {}) {
+  const url = new URL(apiUrl(path, {
+    ck: field('ck'), context: field('context'), batch: field('batch'), prefill_chunk: field('prefill-chunk'),
+    cache_dtype: field('cache-dtype'), link: field('link'), strategy: field('strategy'), optimize: field('optimize'),
+    uneven: $('uneven').checked ? 1 : null, ...extra,
   }), location.href);
   // repeated, not joined: a device spec holds commas of its own
   for (const line of $('devices').value.split('\n')) if (line.trim()) url.searchParams.append('device', line.trim());
@@ -30,6 +34,7 @@ function request() {
 
 async function run() {
   const url = request();
+  clearMeasurement();
   try {
     const response = await fetch(url);
     const body = await response.json().catch(() => ({ error: `${response.status} ${response.statusText}` }));
@@ -148,6 +153,78 @@ function render(p) {
   $('plan-notes').replaceChildren(...p.notes.map((n) => el('li', {}, n)));
 }
 
+function clearMeasurement() {
+  state.measurement = null;
+  state.measureError = null;
+  $('plan-measured').className = 'plan-line plan-measured';
+  $('plan-measured').replaceChildren();
+}
+
+/** Run the plan on real processes and show each stage's measurement beside its bar. */
+async function measureRun() {
+  const button = $('measure-button');
+  button.disabled = true;
+  clearMeasurement();
+  $('plan-measured').textContent = 'Measuring: one process per device, one prompt…';
+  const url = request('/api/plan/measure', { prompt_tokens: field('prompt-tokens'), new_tokens: field('new-tokens') });
+  try {
+    const response = await fetch(url, { method: 'POST' });
+    const body = await response.json().catch(() => ({ error: `${response.status} ${response.statusText}` }));
+    if (!response.ok) throw new ApiError(response.status, body, url.href);
+    state.plan = body.plan;  // the plan that was run: its bars, with the measurement beside them
+    state.error = null;
+    render(body.plan);
+    state.measurement = body;
+    showMeasurement(body);
+  } catch (err) {
+    state.measureError = err.message;
+    $('plan-measured').className = 'plan-line plan-measured bad';
+    $('plan-measured').textContent = `Cannot measure: ${err.message}`;
+  } finally {
+    button.disabled = false;
+    state.measures += 1;
+    document.body.dataset.measures = String(state.measures);
+  }
+}
+
+function ratio(value) {
+  if (value === null || value === undefined) return el('span', { class: 'ratio' }, 'no prediction');
+  const far = value > FAR || value < 1 / FAR;
+  return el('span', { class: `ratio${far ? ' far' : ''}`, 'data-testid': 'measure-ratio' }, `×${value.toFixed(2)}`);
+}
+
+function phaseLine(t, label, per) {
+  return el('span', { 'data-testid': `measure-${label}`,
+    title: `compute ${ms(t.compute_s)} · transfer ${ms(t.transfer_s)} · idle ${ms(t.idle_s)} · send ${ms(t.send_s)}` },
+  `${label} `, el('b', {}, ms(t.stage_s)), `${per} measured, ${ms(t.predicted_stage_s)} predicted `, ratio(t.ratio),
+  ` · idle ${ms(t.idle_s)}`);
+}
+
+function showMeasurement(m) {
+  const scale = Math.max(...m.stages.flatMap((s) => [s.decode.stage_s, s.decode.predicted_stage_s || 0]));
+  for (const s of m.stages) {
+    const row = document.querySelector(`.plan-device[data-device="${CSS.escape(s.device)}"]`);
+    if (!row) continue;
+    const p = s.predicted_memory;
+    row.append(el('div', { class: 'times', title: 'decode step: predicted (grey) and measured (green)' },
+      el('div', { class: 'time predicted', style: { width: `${(100 * (s.decode.predicted_stage_s || 0)) / scale}%` } }),
+      el('div', { class: 'time measured', style: { width: `${(100 * s.decode.stage_s) / scale}%` } })),
+    el('div', { class: 'measure', 'data-testid': 'plan-measure', 'data-device': s.device },
+      el('span', {}, `ran on ${s.ran_on}`),
+      phaseLine(s.prefill, 'prefill', ''), phaseLine(s.decode, 'decode', ' per step'),
+      el('span', { 'data-testid': 'measure-memory' }, 'tensors ', el('b', {}, bytes(s.tensor_bytes)),
+        ` (plan ${bytes(p.weights)}) · KV cache `, el('b', {}, bytes(s.kv_cache_bytes)), ` (plan ${bytes(p.kv_cache)})`,
+        ` · RSS +${bytes(s.rss_growth)}`)));
+  }
+  const o = m.overall;
+  $('plan-measured').className = 'plan-line plan-measured';
+  $('plan-measured').replaceChildren(el('span', { 'data-testid': 'measure-overall' },
+    `Measured on ${m.stages.length} process${m.stages.length === 1 ? '' : 'es'} (prompt ${m.prompt_tokens} × `
+      + `${m.batch}, then ${m.new_tokens} decode steps): prefill ${ms(o.prefill_s)}, predicted ${ms(o.predicted_prefill_s)} `),
+  ratio(o.prefill_ratio), ` · decode ${ms(o.decode_step_s)} per step, predicted ${ms(o.predicted_decode_step_s)} `,
+  ratio(o.decode_ratio), el('span', { class: 'muted' }, m.notes.length ? ` (${m.notes.join('; ')})` : ''));
+}
+
 function verdict(text, kind) {
   const box = $('plan-verdict');
   box.className = `plan-line ${kind}`;
@@ -164,12 +241,13 @@ async function boot() {
   const wanted = new URLSearchParams(location.hash.slice(1)).get('ck');
   if (state.checkpoints.some((c) => c.id === wanted)) $('ck').value = wanted;
   $('plan-form').addEventListener('submit', (e) => { e.preventDefault(); run(); });
+  $('measure-button').addEventListener('click', () => { measureRun(); });
   await run();
   document.body.dataset.ready = '1';
   resolveReady(state);
 }
 
-window.tensormorphPlan = { state, ready, run };
+window.tensormorphPlan = { state, ready, run, measure: measureRun };
 
 boot().catch((err) => {
   state.error = err.message;
