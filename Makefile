@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean browser lint
+.PHONY: demo test bench clean browser lint validate-plan
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,15 @@ test: $(STAMP) browser lint
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
+
+# The planner's memory against llama.cpp's own (issue 19); not part of `make test`. llama-cpp-python compiles
+# llama.cpp here (10-20 min on 2 cores, CPU only), so it lives in its own venv, made from the project's python.
+VALIDATE := .venv-validate
+validate-plan: $(STAMP)
+	test -x $(VALIDATE)/bin/python || $(BIN)/python -m venv $(VALIDATE)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+		-DLLAMA_BUILD_SERVER=OFF" $(VALIDATE)/bin/pip install --quiet -c constraints.txt "llama-cpp-python==0.3.36" gguf -e .
+	$(VALIDATE)/bin/python -m benchmarks.validate_plan
 
 clean:
 	rm -rf $(VENV) demo tests/.fixture-cache benchmarks/.work

@@ -124,6 +124,10 @@ def _from_config(config: dict[str, Any], dtype: str | None, *, name: str | None,
                      f"(known layouts: {', '.join(_LAYOUTS)}); give a checkpoint for exact sizes")
         layout = {}
     stored = _CONFIG_DTYPES.get(str(config_value(config, "dtype")).removeprefix("torch."))
+    if isinstance(config.get("quantization_config"), dict):
+        notes.append("the config's quantization_config is not applied when planning from the config alone: the "
+                     f"weights are sized in {(stored or 'BF16').lower()}; give the checkpoint (its safetensors "
+                     "headers suffice) for the stored sizes")
     if stored is None:
         stored = "BF16"
         if dtype is None:

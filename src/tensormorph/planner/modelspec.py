@@ -17,6 +17,7 @@ from typing import Any
 
 from .. import dtypes
 from ..storage import AnyPath
+from .hf_quant import METADATA, PACKED, Quantization, config_activations, detect
 from .spec import ELEMENT_BYTES, GGML_ELEMENT_BYTES, STORED_DTYPES, PlanError
 
 # Config keys vary by family; the first present wins.
@@ -66,15 +67,19 @@ class TensorSpec:
     role: str  # embed, head, q, kv, qkv, o, col, row, other
     expert: bool = False  # one of a mixture's routed experts: read only when a token picks it
     tied_to: str | None = None  # shares the storage of this tensor: its bytes are counted there
+    # model values per stored element: 32/bits for a packed quantized weight (GPTQ qweight), 0 for quantization
+    # metadata (scales, zero points: bytes, but no parameters or FLOPs)
+    packing: int = 1
 
     @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        """The model values it holds (parameters, for the FLOPs)."""
+        return math.prod(self.shape) * self.packing
 
     @property
     def size(self) -> int:
-        """Bytes of the tensor itself, tied or not."""
-        return math.ceil(self.numel * self.element_bytes)
+        """Bytes of the tensor itself, tied or not: stored elements × bytes per element."""
+        return math.ceil(math.prod(self.shape) * self.element_bytes)
 
     @property
     def nbytes(self) -> int:
@@ -135,6 +140,7 @@ class ModelSpec:
     path: AnyPath | None = None
     notes: tuple[str, ...] = ()
     cache_dtype: str | None = None  # the runtime's default KV cache dtype when not act_dtype (llama.cpp: fp16)
+    quantization: str | None = None  # a HF checkpoint's own (gptq int4, compressed-tensors float8): sized as stored
 
     @property
     def default_cache(self) -> str:
@@ -160,7 +166,7 @@ class ModelSpec:
                 "params": self.params, "weight_bytes": self.nbytes, "dtype": self.dtype, "layers": a.layers,
                 "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
                 "vocab": a.vocab, "experts": a.experts, "experts_per_token": a.experts_per_token,
-                "tied_embeddings": a.tied, "model_type": a.model_type}
+                "tied_embeddings": a.tied, "model_type": a.model_type, "quantization": self.quantization}
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -187,16 +193,21 @@ def _element_bytes(stored: str, dtype: str | None) -> float:
     return float(dtypes.numpy_dtype(stored).itemsize)
 
 
-def _planned_dtypes(stored: list[tuple[str, int]], dtype: str | None) -> tuple[str, str]:
-    """(weights dtype, activations dtype): the override, else the floating dtype holding the most elements."""
-    if dtype is not None:
+def _planned_dtypes(stored: list[tuple[str, int]], dtype: str | None, quant: Quantization | None,
+                    config: dict[str, Any] | None) -> tuple[str, str]:
+    """(weights dtype, activations dtype): the override, else the floating dtype holding the most elements. A
+    quantized checkpoint's weights are named by its quantization, and its activations take the override, else the
+    config's dtype, else the most common of its 16/32-bit floating tensors (`stored` holds only the unquantized)."""
+    if dtype is not None and quant is None:
         return dtype, dtype
     counts: dict[str, int] = {}
     for name, numel in stored:
-        if name in STORED_DTYPES:
+        if name in STORED_DTYPES and (quant is None or STORED_DTYPES[name] != "fp8"):
             counts[STORED_DTYPES[name]] = counts.get(STORED_DTYPES[name], 0) + numel
-    main = max(counts, key=counts.__getitem__) if counts else "fp32"
-    return main, main
+    main = max(counts, key=counts.__getitem__) if counts else ("bf16" if quant else "fp32")
+    if quant is None:
+        return main, main
+    return quant.label, dtype or config_activations(config) or main
 
 
 def _layer_container(names: list[str], expected: int | None) -> str | None:
@@ -217,11 +228,14 @@ def _layer_container(names: list[str], expected: int | None) -> str | None:
 
 def _role(name: str, kind: str, ndim: int) -> str:
     parts = name.split(".")
-    owner = parts[-2] if len(parts) > 1 and parts[-1] in ("weight", "bias") else parts[-1]
+    leaf = parts[-1]
+    # a quantized layer's packed weight and metadata (q_proj.qweight, q_proj.weight_scale) play its module's role
+    owner = parts[-2] if len(parts) > 1 and (leaf in ("weight", "bias") or leaf in PACKED or leaf in METADATA) \
+        else leaf
     if kind == "input":
         return "embed" if ndim == 2 and _EMBED.search(name) else "other"
-    if kind == "output":
-        return "head" if ndim == 2 and _HEAD.match(owner) else "other"
+    if kind == "output":  # the head's matrix; its quantization metadata is no head
+        return "head" if ndim == 2 and _HEAD.match(owner) and leaf not in METADATA else "other"
     if owner in ("c_proj", "dense"):  # GPT-2 / NeoX reuse these names in attention and MLP
         return "o" if _ATTENTION.search(name) else "row"
     for pattern, role in _ROLES:
@@ -251,7 +265,9 @@ def build_model(tensors: list[tuple[str, tuple[int, ...], str]], shared: dict[st
     """The ModelSpec of `tensors` (name, shape, stored dtype); `shared` maps a tied tensor to its owner."""
     config = text_config(config) if config is not None else None
     notes: list[str] = []
-    weights_dtype, act_dtype = _planned_dtypes([(d, math.prod(s)) for _, s, d in tensors], dtype)
+    quant = detect((n for n, _, _ in tensors), config)
+    plain = [t for t in tensors if quant is None or t[0].rpartition(".")[0] not in quant.modules]
+    weights_dtype, act_dtype = _planned_dtypes([(d, math.prod(s)) for _, s, d in plain], dtype, quant, config)
     container = _layer_container([n for n, _, _ in tensors], config_value(config, "layers"))
     if container is None:
         raise PlanError("no numbered layers in the tensor names (like model.layers.N...): the planner places "
@@ -277,8 +293,10 @@ def build_model(tensors: list[tuple[str, tuple[int, ...], str]], shared: dict[st
 
     def spec(t: tuple[str, tuple[int, ...], str], kind: str) -> TensorSpec:
         tname, shape, stored = t
-        return TensorSpec(tname, tuple(shape), _element_bytes(stored, dtype), _role(tname, kind, len(shape)),
-                          expert=bool(_EXPERT.search(tname)) and kind == "layer", tied_to=shared.get(tname))
+        as_stored = quant is not None and tname.rpartition(".")[0] in quant.modules  # never cast quantized tensors
+        return TensorSpec(tname, tuple(shape), _element_bytes(stored, None if as_stored else dtype),
+                          _role(tname, kind, len(shape)), expert=bool(_EXPERT.search(tname)) and kind == "layer",
+                          tied_to=shared.get(tname), packing=quant.packing(tname, stored) if quant else 1)
 
     units: dict[str, list[Unit]] = {kind: [] for kind in ("input", "layer", "output")}
     for module, members in by_module.items():
@@ -312,9 +330,12 @@ def build_model(tensors: list[tuple[str, tuple[int, ...], str]], shared: dict[st
     if config is not None and config_value(config, "layers") not in (None, len(layers)):
         notes.append(f"the config says {config_value(config, 'layers')} layers, the tensors hold {len(layers)}")
     arch = replace(_arch(config, layers, embed, tied), encoder=encoder)
+    if quant is not None and quant.bits is None and any(n.rpartition(".")[2] in PACKED for n, _, _ in tensors):
+        notes.append(f"the quantization config does not give one weight width ({quant.label}): packed weights are "
+                     "sized as stored but counted as one parameter per stored element")
     return ModelSpec(name=name, source=source, arch=arch, dtype=weights_dtype, act_dtype=act_dtype,
                      inputs=tuple(units["input"]), layers=layers, outputs=tuple(units["output"]), path=path,
-                     notes=tuple(notes))
+                     notes=tuple(notes), quantization=quant.label if quant else None)
 
 
 def _main_embedding(inputs: list[Unit], vocab: int | None) -> TensorSpec | None:

@@ -79,6 +79,9 @@ def quantized(spec: ModelSpec, preset: Preset) -> ModelSpec:
 
 
 def smaller(spec: ModelSpec) -> list[tuple[Preset, ModelSpec]]:
-    """The presets whose weights are smaller than the model's now, largest (best quality) first."""
+    """The presets whose weights are smaller than the model's now, largest (best quality) first; none for a checkpoint
+    already quantized its own way (GPTQ, AWQ, compressed-tensors: llama.cpp's converter does not take those)."""
+    if spec.quantization is not None:
+        return []
     out = [(p, quantized(spec, p)) for p in PRESETS]
     return [(p, q) for p, q in out if q.nbytes < spec.nbytes]
