@@ -143,11 +143,20 @@ def unit_cost(unit: Unit, spec: ModelSpec, workload: Workload, share: Share = FU
 
 def activation_bytes(costs: Sequence[UnitCost], spec: ModelSpec, workload: Workload) -> int:
     """Headroom for one prefill pass on a device running these units: the widest unit's live activations
-    for every token of the pass, plus the logits when it holds the head."""
+    for every token of the pass, plus the logits when it holds the head.
+
+    llama.cpp (which runs GGUF models) sizes its compute buffer for a pass whose every token is an output: the
+    head's fp32 logits for each token of the pass, beside the normed hidden state, when that is wider than a layer
+    (`make validate-plan` measures it: docs/plan.md)."""
     if not costs:
         return 0
-    act = element_bytes(spec.act_dtype)
-    return math.ceil(workload.prefill_tokens * act * max(c.width for c in costs)) + sum(c.logits for c in costs)
+    tokens = workload.prefill_tokens
+    peak = tokens * element_bytes(spec.act_dtype) * max(c.width for c in costs)
+    logits = sum(c.logits for c in costs)
+    if spec.source == "gguf" and logits:
+        vocab_share = logits / (workload.batch * LOGIT_BYTES)  # this device's rows of the head
+        return math.ceil(max(peak, tokens * LOGIT_BYTES * (vocab_share + 2 * spec.arch.hidden)))
+    return math.ceil(peak) + logits
 
 
 def handoff_bytes(spec: ModelSpec, workload: Workload) -> tuple[float, float]:
