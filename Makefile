@@ -45,4 +45,4 @@ validate-plan: $(STAMP)
 	$(VALIDATE)/bin/python -m benchmarks.validate_plan
 
 clean:
-	rm -rf $(VENV) demo tests/.fixture-cache benchmarks/.work
+	rm -rf $(VENV) $(VALIDATE) demo tests/.fixture-cache benchmarks/.work
