@@ -8,7 +8,9 @@ an S3 bucket or an HTTP server.
 
 from __future__ import annotations
 
+import math
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +24,9 @@ from .kvstores import base_spec
 from .metadata import ArrayLayout
 
 FEATURE = "reading Orbax checkpoints"
-CACHE_BYTES = 256 * 1024**2  # decoded chunks tensorstore keeps per item folder: bands of one chunk decode it once
+CACHE_BYTES = 256 * 1024**2  # the least decoded chunks tensorstore keeps per item folder (a chunk decodes once)
+MAX_CACHE_BYTES = 1024**3  # at most: a wider row of chunks is decoded again by each C-order band that crosses it
+CACHE_MARGIN = 1.25  # the pool evicts before it is full: a row of chunks of exactly its size was decoded per band
 
 
 def tensorstore() -> Any:
@@ -42,13 +46,25 @@ class ItemStore:
         ts = tensorstore()
         self.folder, self.ocdbt = folder, ocdbt
         self.base, self._keep = base_spec(folder)  # _keep: a temporary AWS profile, alive as long as the store
-        # one cache pool and one OCDBT manifest for all the arrays
+        # one cache pool and one OCDBT manifest for all the arrays (fit_cache resizes it before they open)
         self.context = ts.Context({"cache_pool": {"total_bytes_limit": CACHE_BYTES}})
+        self.cache_bytes = CACHE_BYTES
         try:
             self.kv = ts.KvStore.open(self.kvstore(""), context=self.context).result()
         except Exception as exc:  # tensorstore maps its status codes onto several exception classes
             raise CheckpointError(f"cannot open the key/value store: {_message(exc)}",
                                   file=str(folder / ("manifest.ocdbt" if ocdbt else ""))) from None
+
+    def fit_cache(self, layouts: Iterable[ArrayLayout]) -> None:
+        """Size the cache to hold one row of read chunks of the widest array (within [CACHE_BYTES, MAX_CACHE_BYTES]):
+        C-order readers (convert, diff, full reads in blocks) read row bands across the whole width, which decode
+        every chunk of a row of chunks, again for each band when they do not all stay in the cache. Called before
+        any array opens (they open with this context on their first read)."""
+        need = int(max((_row_bytes(layout) for layout in layouts), default=0) * CACHE_MARGIN)
+        total = min(MAX_CACHE_BYTES, max(CACHE_BYTES, need))
+        if total != CACHE_BYTES:
+            self.context = tensorstore().Context({"cache_pool": {"total_bytes_limit": total}})
+        self.cache_bytes = total
 
     def kvstore(self, prefix: str) -> dict[str, Any]:
         if self.ocdbt:
@@ -78,6 +94,13 @@ class ItemStore:
         spec = {"driver": driver, "kvstore": self.kvstore(f"{name}/"), "recheck_cached_data": False,
                 "recheck_cached_metadata": False}
         return ZarrArray(name, spec, self, layout)
+
+
+def _row_bytes(layout: ArrayLayout) -> int:
+    """Decoded bytes of one row of read chunks across the whole array (what a band of its rows decodes)."""
+    chunk = layout.read_chunk_shape
+    cells = math.prod(c * -(-n // c) for n, c in zip(layout.shape[1:], chunk[1:])) * (chunk[0] if chunk else 1)
+    return cells * dtypes.itemsize(layout.dtype)
 
 
 @dataclass(eq=False)

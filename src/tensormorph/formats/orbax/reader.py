@@ -107,8 +107,10 @@ def _open_item(files: ByteStore, root: AnyPath, item: str, prefix: str, tensors:
     ocdbt = files.exists(at + "manifest.ocdbt")
     if tree.use_ocdbt and not ocdbt:
         if any(name.startswith("ocdbt.process_") for name in files.listdir(item)):
-            raise UnsupportedError("holds per-process OCDBT databases that Orbax never merged (no manifest.ocdbt); "
-                                   "reading those is not supported", file=files.describe(at + "manifest.ocdbt"))
+            # Orbax merges them into the root at the end of a save, and its restore reads only that root
+            raise UnsupportedError("holds per-process OCDBT databases that Orbax never merged (no manifest.ocdbt: the "
+                                   "save did not finish, and Orbax cannot restore it either); reading those is not "
+                                   "supported", file=files.describe(at + "manifest.ocdbt"))
         raise MissingFileError(f"is missing, but {TREE} says the arrays are in an OCDBT database",
                                file=files.describe(at + "manifest.ocdbt"))
     for key, value in (("use_ocdbt", ocdbt), ("use_zarr3", tree.use_zarr3), ("leaves", len(tree.leaves)),
@@ -121,6 +123,8 @@ def _open_item(files: ByteStore, root: AnyPath, item: str, prefix: str, tensors:
     stored = [leaf for leaf in tree.leaves if leaf.is_array or leaf.value_type == "scalar"]
     store = ItemStore(root / item if item else root, ocdbt) if stored else None
     layouts = _layouts(store, stored, tree.use_zarr3) if store is not None else {}
+    if store is not None:
+        store.fit_cache(layouts.values())
     for leaf in tree.leaves:
         name = prefix + leaf.name
         if leaf.is_array:
