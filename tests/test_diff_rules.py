@@ -87,6 +87,19 @@ def test_transpose_rules_with_small_blocks_and_chunked_sources(built: Path, tmp_
         np.testing.assert_array_equal(view[3], table.T[3])
 
 
+def test_a_transposed_read_takes_the_callers_budget_not_the_original_tensors(tmp_path: Path) -> None:
+    """tm.load reads a Flax kernel through its transposed view with a budget of the box it fills: the inner read
+    of the original tensor must not fall back to that tensor's own, smaller, budget."""
+    values = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    path = save(tmp_path / "w.safetensors", {"w": values})
+    with tm.open(path, read_budget=4096) as ck:
+        view = transposed(ck["w"], (1, 0))
+        with pytest.raises(CheckpointError, match="read budget"):
+            view.read((slice(0, 64), slice(0, 64)))  # over 4 KiB: refused by the outer read
+        np.testing.assert_array_equal(view.read((slice(0, 64), slice(0, 64)), budget=1 << 20), values.T)
+        np.testing.assert_array_equal(view.read((slice(0, 64), slice(3, 40)), budget=1 << 20), values.T[:, 3:40])
+
+
 def test_permutations_sides_globs_and_rule_files(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     conv = rng.standard_normal((3, 3, 4, 8)).astype(np.float32)  # Flax HWIO

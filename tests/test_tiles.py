@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import tensormorph as tm
 from tensormorph.core import Chunk, LogicalTensor
 from tensormorph.errors import CheckpointError
+from tensormorph.ops import tiles as tiles_module
 from tensormorph.ops.tiles import MAX_PIXELS, View, histogram, tile
 
 pytestmark = pytest.mark.timeout(120)
@@ -394,3 +395,24 @@ def test_property_tiles_of_the_real_checkpoint(ck, truth, data):
     assert list(fields) == list(sent)
     for key, values in fields.items():
         assert values.tobytes() == sent[key].tobytes()
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_exact_tiles_are_the_same_read_band_by_band_or_in_parallel(ck, monkeypatch, threads):
+    """Bands reduced in threads give the very tile one thread gives: each band's blocks are its own."""
+    view = View.of(ck["model.encoder.layer.0.intermediate.dense.weight"])
+    h, w = view.shape
+    monkeypatch.setattr(tiles_module, "TILE_THREADS", 1)
+    serial = tile(view, 0, h, 0, w, 37, 29, exact=True, band_bytes=64 * 1024)
+    monkeypatch.setattr(tiles_module, "TILE_THREADS", threads)
+    again = tile(view, 0, h, 0, w, 37, 29, exact=True, band_bytes=64 * 1024)
+    assert serial.encode() == again.encode()
+
+
+def test_a_compressed_chunk_is_tiled_one_band_at_a_time(dcp_zstd_ckpt, dcp_ckpt):
+    """A zstd DCP item is decompressed whole on every read: bands in flight at once would each hold one."""
+    with tm.open(dcp_zstd_ckpt) as compressed, tm.open(dcp_ckpt) as plain:
+        name = next(n for n, t in plain.items() if t.ndim == 2)
+        assert tiles_module._threads(View.of(compressed[name]), None) == 1
+        assert tiles_module._threads(View.of(plain[name]), None) == tiles_module.TILE_THREADS
+        assert tiles_module._threads(View.of(plain[name]), lambda rows, cols: np.zeros(1)) == 1  # the diff's own reader

@@ -47,7 +47,8 @@ class ChunkSource(Protocol):
     target)` to read a contiguous region straight into the result (a source with checksums checks the bytes it
     read there). A source with checksums offers `verify(index)`, called before a region is read through
     `array()`, which then returns data unchecked, while
-    `Chunk.read()` (the whole chunk) goes through `checked()` when the source has it.
+    `Chunk.read()` (the whole chunk) goes through `checked()` when the source has it. A source that decodes its
+    whole chunk on every read (a compressed item) says so with `reads_regions` False.
     """
 
     def array(self) -> np.ndarray: ...

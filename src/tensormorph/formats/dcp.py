@@ -120,6 +120,11 @@ class DcpItemArray:
     budget: int = DEFAULT_READ_BUDGET  # a compressed item is decompressed whole: its chunk must fit this
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
+    @property
+    def reads_regions(self) -> bool:
+        """False for a compressed item: every read decompresses it whole (readers then read one region at a time)."""
+        return not self.item.transforms
+
     def with_budget(self, budget: int) -> DcpItemArray:
         return replace(self, budget=budget, _cache={}) if self.item.transforms else self
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -234,8 +235,10 @@ class _TransposedBox:
     shape: tuple[int, ...]
 
     def array(self) -> np.ndarray:
+        # the outer read (of the transposed tensor) enforced the caller's budget: this inner one reads no more
         box = tuple(slice(o, o + n) for o, n in zip(self.offsets, self.shape))
-        return self.tensor.read(box).transpose(self.permutation)
+        nbytes = math.prod(self.shape) * self.tensor.numpy_dtype.itemsize
+        return self.tensor.read(box, budget=max(1, nbytes)).transpose(self.permutation)
 
     def read_into(self, index: tuple[slice, ...], target: np.ndarray) -> bool:
         """Read `index` (of the transposed chunk) from the original tensor's region into `target`."""
@@ -245,5 +248,5 @@ class _TransposedBox:
         for i, p in enumerate(self.permutation):
             s = index[i]
             original[p] = slice(s.start + self.offsets[p], s.stop + self.offsets[p], s.step)
-        target[...] = self.tensor.read(tuple(original)).transpose(self.permutation)
+        target[...] = self.tensor.read(tuple(original), budget=max(1, target.nbytes)).transpose(self.permutation)
         return True

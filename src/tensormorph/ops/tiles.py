@@ -36,7 +36,8 @@ DEFAULT_BAND_BYTES = 32 * 1024**2
 MAX_PIXELS = 4096 * 4096  # pixels of one tile: a full-screen canvas at twice the density, with room to spare
 AGGREGATES = ("mean", "min", "max", "absmax")
 TILE_THREADS = max(1, min(4, os.cpu_count() or 1))
-"""Bands of an exact tile read and reduced at once (each holds one band in memory, within band_bytes in all)."""
+"""Bands of an exact tile read and reduced at once (each holds one band, within band_bytes in all), where its
+sources read regions (see _threads)."""
 T = TypeVar("T")
 
 
@@ -189,8 +190,17 @@ def tile(view: View, r0: int, r1: int, c0: int, c1: int, h: int, w: int, *, exac
                 known = nonfinite_cells(nonfinite, view, r0, r1, c0, c1, sy, sx)
                 result.mask = known if result.mask is None else result.mask | known
         return result
-    _aggregate(result, read, band_bytes)
+    _aggregate(result, read, band_bytes, _threads(view, reader))
     return result
+
+
+def _threads(view: View, reader: Callable[[slice, slice], np.ndarray] | None) -> int:
+    """Bands read at once: TILE_THREADS, or one band at a time for a custom reader (the diff's a − b, whose
+    sources are not known here) and for a source that decodes its whole chunk on every read (a compressed DCP
+    item, `reads_regions` False): there each band in flight would hold a whole chunk."""
+    if reader is not None or not all(getattr(c.source, "reads_regions", True) for c in view.tensor.chunks):
+        return 1
+    return TILE_THREADS
 
 
 def nonfinite_cells(nonfinite: NonFinite, view: View, r0: int, r1: int, c0: int, c1: int, sy: int,
@@ -212,13 +222,13 @@ def nonfinite_cells(nonfinite: NonFinite, view: View, r0: int, r1: int, c0: int,
     return out
 
 
-def _aggregate(result: Tile, read: Callable[[slice, slice], np.ndarray], band_bytes: int) -> None:
+def _aggregate(result: Tile, read: Callable[[slice, slice], np.ndarray], band_bytes: int, threads: int) -> None:
     """Exact block aggregates, reading bands of whole block rows and block columns under band_bytes. Only the
     float32 fields span the whole tile: sums and counts live as long as one band."""
     (r0, r1), (c0, c1), (sy, sx) = result.rows, result.cols, result.step
     out_rows, out_cols = math.ceil((r1 - r0) / sy), math.ceil((c1 - c0) / sx)
     mean, low, high, peak = (np.empty((out_rows, out_cols), np.float32) for _ in AGGREGATES)
-    elements = max(1, band_bytes // (8 * TILE_THREADS))  # float64 at most, one band per thread
+    elements = max(1, band_bytes // (8 * threads))  # float64 at most, one band per thread
     block_cols = max(1, min(out_cols, elements // (sy * sx)))
     block_rows = max(1, elements // (block_cols * sy * sx))
     bands = [(i, j) for i in range(0, out_rows, block_rows) for j in range(0, out_cols, block_cols)]
@@ -228,7 +238,7 @@ def _aggregate(result: Tile, read: Callable[[slice, slice], np.ndarray], band_by
         cols = slice(c0 + j * sx, min(c1, c0 + (j + block_cols) * sx))
         return _band(_as_working(read(rows, cols)), sy, sx)
 
-    for (i, j), band in _in_parallel(one, bands, TILE_THREADS):
+    for (i, j), band in _in_parallel(one, bands, threads):
         target = (slice(i, i + band.mean.shape[0]), slice(j, j + band.mean.shape[1]))
         result.nan += band.nan
         result.inf += band.inf
