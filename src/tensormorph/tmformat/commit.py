@@ -384,7 +384,7 @@ def remove_abandoned(folder: Path, *, grace_s: float = 60.0) -> list[Path]:
 
 
 def _creator_tag() -> str:
-    """This host and process, as a folder-name part: `<host hash>-<pid>`."""
+    """This host and process, as a folder-name part: `<host, boot and PID namespace hash>-<pid>`."""
     return f"{_HOST}-{os.getpid()}"
 
 
@@ -403,7 +403,18 @@ def _creator_died(init_name: str) -> bool:
     return False
 
 
-_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+def _pid_space() -> str:
+    """This machine's boot and this process's PID namespace: containers sharing a host name (and a volume) but not
+    their process ids get different tags, so one never takes another's living process for a dead one."""
+    parts = [socket.gethostname()]
+    with contextlib.suppress(OSError):
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+    with contextlib.suppress(OSError):
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
+
+
+_HOST = _pid_space()
 
 
 def _exchange(a: Path, b: Path) -> bool:
