@@ -191,3 +191,13 @@ def test_unquantized_checkpoint_is_unchanged(tmp_path: Path) -> None:
     assert spec.quantization is None and (spec.dtype, spec.act_dtype) == ("fp16", "fp16")
     assert spec.nbytes == sum(a.nbytes for a in tensors.values())
     assert all(t.packing == 1 for u in spec.units for t in u.tensors)
+
+
+@pytest.mark.parametrize("bits", [-4, 0, True, "4"])
+def test_a_forged_bit_width_is_no_width(bits):
+    """A config's width that is not a positive integer packs nothing: the stored elements are counted as they are."""
+    from tensormorph.planner.hf_quant import _label_and_bits
+
+    groups = {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": bits}}}}
+    assert _label_and_bits(groups) == ("compressed-tensors mixed", None)
+    assert _label_and_bits({"quant_method": "gptq", "bits": bits}) == ("gptq", None)

@@ -636,3 +636,13 @@ def test_fifty_simultaneous_exact_tiles_with_bounded_memory(serve, viewer_pair, 
         check_against_reference(header, fields, view_of(truth[name]), region, True)
     growth = peak[0] - baseline
     assert growth < 1024**3, f"RSS grew by {growth / 2**20:.0f} MiB"
+
+
+def test_routes_that_bound_themselves_hold_no_heavy_slot():
+    """The Timeline's history stream and a measurement may run for minutes under their own limits (one per run, one
+    at a time): the four heavy slots stay for tiles, statistics and opens."""
+    from tensormorph.server import _heavy
+
+    assert not _heavy("/api/history") and not _heavy("/api/plan/measure") and not _heavy("/api/run")
+    assert all(_heavy(p) for p in ("/api/history/open", "/api/run/open", "/api/checkpoints/a/tile", "/api/diff",
+                                   "/api/plan", "/api/checkpoints/a/search"))

@@ -266,3 +266,9 @@ def test_opening_two_steps_serves_them_as_a_and_b(run):
         assert client.post("/api/history/open", params={"a": "x", "b": 1}).status_code == 400
         # nothing opened by the refused requests
         assert [c["path"][-13:] for c in client.get("/api/checkpoints").json()] == ["step-00000006", "step-00000005"]
+        # after the Timeline put another step in a, the Run panel's open serves the run's newest as a again
+        assert client.post("/api/history/open", params={"a": 4, "b": 3}).status_code == 200
+        assert client.post("/api/run/open", params={"step": 1}).json()["id"] == "b"
+        assert [c["path"][-13:] for c in client.get("/api/checkpoints").json()] == ["step-00000006", "step-00000001"]
+        diff = {t["name"]: t for t in client.get("/api/diff").json()["tensors"]}
+        assert diff[name]["max_abs"] == float(np.abs(states[6][name].astype(np.float64) - states[1][name]).max())

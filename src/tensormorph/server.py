@@ -67,8 +67,10 @@ WEB = Path(__file__).resolve().parent / "web"
 ESTIMATED_READ_RATE = 1e9  # bytes/s, for the cost shown before a full read
 CONFIG_KEYS = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
                "num_key_value_heads", "intermediate_size", "vocab_size", "torch_dtype")
-# the routes that only look up metadata: every other /api route counts as heavy for the guard
-LIGHT_ROUTES = re.compile(r"/api/(openapi\.json|checkpoints|checkpoints/[^/]+/tensor|run)")
+# the routes that only look up metadata, and those that bound themselves (one history computation per run, one
+# measurement at a time: they may run for minutes and must not hold a slot of the tiles): every other /api route
+# counts as heavy for the guard
+LIGHT_ROUTES = re.compile(r"/api/(openapi\.json|checkpoints|checkpoints/[^/]+/tensor|run|history|plan/measure)")
 NONFINITE_SCAN_BYTES = 16 * 1024**2  # a tensor this small is scanned for NaN/Inf on its first tile (~5 ms warm)
 NONFINITE_CACHE_BYTES = 64 * 1024**2  # non-finite positions kept for approximate tiles, all tensors together
 STATS_KEPT = 4096  # statistics kept per viewer (a few hundred bytes each), for the tiles' shared scale

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from starlette.requests import Request
@@ -43,9 +43,12 @@ class Pairing:
         self._lock = threading.Lock()
 
     @property
-    def texts(self) -> list[str]:
-        """The rules as given (a rule set by its name), for cache keys."""
-        return [*self.rules, *self.rename, *self.transpose]
+    def key(self) -> list[Any]:
+        """What the pairing does, for cache keys: each parsed rule's own text (a rule file's rules, not its name,
+        so an edited file keys anew), sides and permutation."""
+        if self._steps is None:
+            return list(self.rename)
+        return [(type(s).__name__, s.text, s.sides, getattr(s, "permutation", None)) for s in self._steps]
 
     def report(self, a: Checkpoint, b: Checkpoint, atol: float, rtol: float) -> DiffReport:
         return diff(a, b, atol=atol, rtol=rtol, rename=self.rename, rules=self.rules, transpose=self.transpose)
@@ -70,7 +73,7 @@ class Pairing:
 
     def _views_of(self, a: Checkpoint, b: Checkpoint) -> tuple[Checkpoint, Checkpoint]:
         assert self._steps is not None
-        key = (id(a), id(b))  # the views hold a and b, so these ids stay theirs while kept
+        key = (id(a), id(b))  # a pairing lives as long as its viewer's checkpoints, so these ids stay theirs
         with self._lock:
             if key not in self._views:
                 self._views = {key: (aligned_view(a, self._steps, "a"), aligned_view(b, self._steps, "b"))}
@@ -111,7 +114,7 @@ def diff_tile(request: Request) -> Response:
     if not exact:
         return binary(*compress(compute(), encoding), scale)
     # the rules are part of the key: a transposed view reads the same files as the tensor it shows
-    key = ["diff", kind, viewer.pairing.texts, view_a.axes, view_a.fixed, area, shuffle]
+    key = ["diff", kind, viewer.pairing.key, view_a.axes, view_a.fixed, area, shuffle]
     return binary(*viewer.cached_tile(key, [(viewer.checkpoint("a"), a), (viewer.checkpoint("b"), b)], compute,
                                       encoding), scale)
 

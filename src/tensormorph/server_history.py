@@ -21,7 +21,6 @@ from starlette.responses import JSONResponse, Response
 from .core import Checkpoint
 from .errors import CheckpointError, MissingFileError, UnsafePathError
 from .extras import require
-from .formats import open_checkpoint
 from .ops.history import history
 from .server_request import ApiError, int_param, ndjson
 from .server_run import NEWEST_ID, STEP_ID, RunView
@@ -161,9 +160,7 @@ def _serve_pair(state: Any, run: RunView, paths: list[Any]) -> list[Checkpoint]:
             for path in paths:
                 ck = served.get(str(path))  # an empty checkpoint is a falsy Mapping: compared with None
                 if ck is None:
-                    options = None if isinstance(path, Path) else run.remote_storage_options
-                    ck = open_checkpoint(str(path), "tensormorph", read_budget=run.read_budget,
-                                         storage_options=options)
+                    ck = run.open_folder(path)
                 opened.append(ck)
         except BaseException:
             for ck in opened:

@@ -119,21 +119,33 @@ class RunView:
 
     def open(self, state: Any, step: int, tier: str | None) -> tuple[str, Checkpoint]:
         """The id and checkpoint that serve `step`: those already served from its folder, else STEP_ID opened by a
-        new viewer put in `state` (the app's), which shares the tile cache and checkpoint a, so that nothing cached
-        of the step it replaces (summary, statistics, diff) is taken for this one."""
+        new viewer put in `state` (the app's), which shares the tile cache, beside the run's newest checkpoint as a
+        (reopened when the Timeline put another step there), so that nothing cached of the step it replaces
+        (summary, statistics, diff) is taken for this one."""
         path = self.folder(step, tier)
         with self.opening:
             viewer: Viewer = state.viewer
             for cid, ck in viewer.checkpoints.items():
                 if str(ck.path) == str(path):
                     return cid, ck
-            options = None if isinstance(path, Path) else self.remote_storage_options
-            opened = open_checkpoint(str(path), "tensormorph", read_budget=self.read_budget, storage_options=options)
-            state.viewer = viewer.successor({NEWEST_ID: viewer.checkpoints[NEWEST_ID], STEP_ID: opened})
-            replaced: Checkpoint | None = viewer.checkpoints.get(STEP_ID)
-            if replaced is not None:
-                replaced.close()  # its maps close once the requests still reading it let go
+            newest, current = self.newest(), viewer.checkpoints[NEWEST_ID]
+            first = current if str(current.path) == str(newest) else self.open_folder(newest)
+            try:
+                opened = self.open_folder(path)
+            except BaseException:
+                if first is not current:
+                    first.close()
+                raise
+            state.viewer = viewer.successor({NEWEST_ID: first, STEP_ID: opened})
+            for old in viewer.checkpoints.values():
+                if old is not first:
+                    old.close()  # its maps close once the requests still reading it let go
             return STEP_ID, opened
+
+    def open_folder(self, path: AnyPath) -> Checkpoint:
+        """A step's folder (from `folder`), opened as the Tensormorph checkpoint it is."""
+        options = None if isinstance(path, Path) else self.remote_storage_options
+        return open_checkpoint(str(path), "tensormorph", read_budget=self.read_budget, storage_options=options)
 
 
 def _info(step: StepTiers, tier: str) -> Any:

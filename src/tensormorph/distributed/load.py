@@ -75,7 +75,8 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *, strict: bool = 
     its box, whatever mesh and world size saved it. Plain values are replaced in their containers.
     Strict: missing or unexpected keys and shape or dtype mismatches raise one StateMismatchError
     listing every offender; with strict=False they are skipped and listed in the report. dtypes are
-    converted only with cast=True. With verify, block checksums of the Tensormorph format are checked.
+    converted only with cast=True. With verify, block checksums of the Tensormorph format are checked (always when
+    `rules`, `rename` or `transpose` are given: the checkpoint is then read as logical tensors, which check them).
 
     `rules` (a rule set such as 'flax-torch', or a rule file), `rename` and `transpose` align names and layouts as
     diff's do (docs/diff-rules.md), with the checkpoint as side a and the state dict as side b: a Flax kernel fills

@@ -68,7 +68,7 @@ def _label_and_bits(config: Mapping[str, Any] | None) -> tuple[str, int | None]:
         widths = {(str(a.get("type") or "int"), a.get("num_bits")) for a in args}
         if len(widths) == 1:
             kind, bits = widths.pop()
-            if isinstance(bits, int) and not isinstance(bits, bool):
+            if isinstance(bits, int) and not isinstance(bits, bool) and bits > 0:
                 return f"{method} {kind}{bits}", bits
         return f"{method} mixed", None
     bits = config.get("bits", config.get("w_bit"))

@@ -223,6 +223,7 @@ def _run_stages(tasks: Sequence[StageTask], names: Sequence[str], timeout_s: flo
             if process.is_alive():  # its neighbour failed: it would wait for gloo's timeout
                 process.terminate()
                 process.join()
+        results.close()  # its pipe, now, not when a long-lived viewer's collector gets to it
     return [records[k] for k in range(len(tasks))]
 
 

@@ -134,9 +134,11 @@ def _empty_model(folder: str, dtype: Any) -> Any:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(folder)
+    # never a checkpoint's own code: a config naming remote code (auto_map) is refused, not run or asked about
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     with init_empty_weights():
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).eval()
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype,
+                                                trust_remote_code=False).eval()
 
 
 def _load(model: Any, task: StageTask, device: Any) -> tuple[list[str], int]:

@@ -84,6 +84,7 @@ export class RunPanel {
   async openStep(number) {
     const step = this.listing && this.listing.steps.find((s) => s.step === number);
     if (!step) return `Step ${int(number)} is not in the run's listing any more`;
+    if (this.opening !== null) return `Step ${int(this.opening)} is still opening; try again when it has opened`;
     return (await this.open(step)) ? null : this.error;
   }
 

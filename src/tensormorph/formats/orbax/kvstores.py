@@ -39,10 +39,15 @@ def base_spec(folder: AnyPath) -> tuple[dict[str, Any], Any]:
         if isinstance(headers, dict) and headers:
             spec["headers"] = [f"{k}: {v}" for k, v in headers.items()]
         return spec, None
-    if protocol in ("s3", "s3a"):
-        return _s3(url, options)
-    raise UnsupportedError(f"Orbax checkpoints are read through tensorstore, here from local folders, "
-                           f"{', '.join(p + '://' for p in REMOTE_PROTOCOLS)} URLs only", file=folder.url)
+    check_protocol(folder)
+    return _s3(url, options)
+
+
+def check_protocol(folder: AnyPath) -> None:
+    """UnsupportedError for a URL whose protocol tensorstore cannot read here; nothing is written."""
+    if isinstance(folder, RemotePath) and folder.remote.protocol not in (*REMOTE_PROTOCOLS, "s3a"):
+        raise UnsupportedError(f"Orbax checkpoints are read through tensorstore, here from local folders, "
+                               f"{', '.join(p + '://' for p in REMOTE_PROTOCOLS)} URLs only", file=folder.url)
 
 
 def _s3(url: str, options: dict[str, Any]) -> tuple[dict[str, Any], Any]:

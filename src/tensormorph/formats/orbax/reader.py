@@ -11,10 +11,10 @@ from typing import Any
 from ... import dtypes
 from ...core import Checkpoint, Chunk, LogicalTensor, ObjectEntry, Placement, in_memory
 from ...errors import CheckpointError, HeaderError, MissingFileError, UnsupportedError
-from ...storage import AnyPath, ByteStore, RemotePath, store_at
+from ...storage import AnyPath, ByteStore, store_at
 from ..contract import Detection, Problems
 from .arrays import ItemStore, ZarrArray, ZarrBox
-from .kvstores import base_spec
+from .kvstores import check_protocol
 from .layout import CHECKPOINT, JSON_ITEM, TREE, Layout, find
 from .metadata import (
     MAX_CHUNKS,
@@ -53,8 +53,7 @@ def open(detection: Detection) -> Checkpoint:
         raise HeaderError(f"is not an Orbax checkpoint: no {TREE} holding a tree_metadata here or in a subfolder",
                           file=str(detection.path))
     path, items = found.folder, found.items
-    if isinstance(path, RemotePath):
-        base_spec(path)  # a protocol tensorstore cannot read fails before anything is read
+    check_protocol(path)  # a protocol tensorstore cannot read fails before anything is read
     files = store_at(path)
     if isinstance(path, Path):
         _check_links(files, path)
