@@ -437,7 +437,10 @@ def _stat(entry: AnyPath) -> tuple[float, int]:
     """(modification time, bytes) of a file, or of the files in a folder (its own time; on an object store, which has
     no folders, that of its newest file)."""
     if isinstance(entry, RemotePath):
-        found = entry.remote.fs.find(entry.remote.path(entry.url), detail=True).values()  # one listing request
+        try:
+            found = entry.remote.fs.find(entry.remote.path(entry.url), detail=True).values()  # one listing request
+        except OSError as exc:  # denied, unreachable: named, as local errors are
+            raise CheckpointError(f"cannot list the checkpoint's objects: {exc}", file=entry.url) from exc
         return max((_seconds(info) for info in found), default=0.0), sum(int(i.get("size") or 0) for i in found)
     if not entry.is_dir() or entry.is_symlink():
         return entry.lstat().st_mtime, entry.lstat().st_size
