@@ -40,6 +40,20 @@ def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=0.05)
 
 
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, features: int) -> float:
+    """One AdamW step on seeded random inputs of `features` (at NAN_STEP, model.2.weight[0, 0] becomes NaN after
+    it); the loss."""
+    torch.manual_seed(100 + step)
+    loss = model(torch.randn(5, features)).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    if step == NAN_STEP:
+        with torch.no_grad():
+            model[2].weight[0, 0] = float("nan")
+    return loss.item()
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[Path, dict[int, dict[str, torch.Tensor]]]:
     """The run's root and the model's state at each step, as saved."""
@@ -48,15 +62,8 @@ def run(tmp_path_factory) -> tuple[Path, dict[int, dict[str, torch.Tensor]]]:
     ckpt = Checkpointer(root)
     states = {}
     for step in STEPS:
-        torch.manual_seed(100 + step)
-        loss = model(torch.randn(5, 4)).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if step == NAN_STEP:
-            with torch.no_grad():
-                model[2].weight[0, 0] = float("nan")
-        ckpt.save(step, model=model, optimizer=opt, extra={"loss": loss.item(), "lr": {"base": 0.05}})
+        loss = train_step(model, opt, step, 4)
+        ckpt.save(step, model=model, optimizer=opt, extra={"loss": loss, "lr": {"base": 0.05}})
         states[step] = {n: p.detach().clone() for n, p in model.named_parameters()}
     ckpt.close()
     data = root / f"step-{DAMAGED_STEP:08d}" / "rank-00000.safetensors"

@@ -13,6 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from remote_support import S3Endpoint
+from test_history import NAN_STEP, STEPS, train_step
 from torch import nn
 
 from tensormorph.cli import main
@@ -26,8 +27,6 @@ torch.set_num_threads(1)
 
 BUCKET = "runs"
 URL = f"s3://{BUCKET}/run"
-STEPS = range(1, 7)
-NAN_STEP = 4  # model.2.weight[0, 0] becomes NaN before this step's save
 DAMAGED_STEP = 2  # its data file is cut short on the local disk and on the object store alike
 REPLACED_STEP = 5  # saved anew on the object store in the staleness test
 # what differs between a local and a remote record of the same checkpoint: where it is, the manifest's length (the
@@ -63,15 +62,8 @@ def run(s3, tmp_path_factory) -> Path:
     model, opt = _model()
     ckpt = Checkpointer(root, remote=URL, remote_every=1, remote_storage_options=s3.storage_options)
     for step in STEPS:
-        torch.manual_seed(100 + step)
-        loss = model(torch.randn(5, 16)).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if step == NAN_STEP:
-            with torch.no_grad():
-                model[2].weight[0, 0] = float("nan")
-        ckpt.save(step, model=model, optimizer=opt, extra={"loss": loss.item()})
+        loss = train_step(model, opt, step, 16)
+        ckpt.save(step, model=model, optimizer=opt, extra={"loss": loss})
         ckpt.wait()  # each step reaches the store: a slow store may otherwise skip one for a newer
     ckpt.close()
     assert ckpt.remote_errors == ()
