@@ -152,3 +152,45 @@ def test_a_rank_folder_planted_as_a_link_is_never_entered(tmp_path):
     planted.symlink_to(victim.parent, target_is_directory=True)
     roll_back(tmp_path / "run", 1, memory_dir=tmp_path / "shm")
     assert (victim / "precious").read_text() == "keep"  # step 9 > 1, but behind a link: untouched
+
+
+def test_a_run_without_a_memory_tier_is_alive_until_its_checkpointer_closes(tmp_path):
+    """The run's lock, held shared from the first save or resume: rollback refuses while it is held, also when no
+    memory tier says so; a forked child (a DataLoader worker) does not keep the run alive after its parent closed."""
+    import os
+    import time
+
+    model, opt = _training()
+    ckpt = Checkpointer(tmp_path / "run")
+    for step in (1, 2, 3):
+        _step(model, opt, step)
+        ckpt.save(step, model=model, optimizer=opt)
+    with pytest.raises(CheckpointError, match="alive .*lock"):
+        roll_back(tmp_path / "run", 2)
+    assert [i.step for i in Checkpointer(tmp_path / "run").list()] == [1, 2, 3]  # nothing abandoned
+    child = os.fork()
+    if child == 0:  # holds a copy of every descriptor: the at-fork hook closed the lock's
+        time.sleep(3)
+        os._exit(0)
+    try:
+        ckpt.close()
+        assert roll_back(tmp_path / "run", 2)["abandoned"][0]["step"] == 3
+    finally:
+        os.waitpid(child, 0)
+    resumed = Checkpointer(tmp_path / "run")
+    assert resumed.resume(model=model, optimizer=opt) == 2
+    with pytest.raises(CheckpointError, match="alive"):
+        roll_back(tmp_path / "run", 1)  # the resumed run holds it
+    resumed.close()
+
+
+def test_a_link_planted_at_the_runs_lock_is_refused_not_followed(tmp_path):
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere.txt"
+    run.mkdir()
+    elsewhere.write_text("keep")
+    (run / ".tensormorph-live").symlink_to(elsewhere)
+    model, opt = _training()
+    ckpt = Checkpointer(run)
+    with pytest.raises(CheckpointError, match=r"\.tensormorph-live"):
+        ckpt.save(1, model=model, optimizer=opt)
+    assert elsewhere.read_text() == "keep"

@@ -38,6 +38,7 @@ from ..errors import CheckpointError
 from ..storage import AnyPath
 from ..tmformat.manifest import encode_value
 from .drain import Drain, Drained
+from .liveness import LiveLock
 from .manager import TRAIN_KEY, CheckpointInfo, CheckpointManager
 from .memory import MemoryTier
 from .optim_shell import OPTIMIZERS_KEY, optimizer_classes
@@ -115,6 +116,7 @@ class Checkpointer:
                                 remote_manager, remote_storage_options)
         self._preemption = Preemption(self._control)
         self._closed = False
+        self._live: LiveLock | None = None  # held from the first save or resume: rollback waits for close()
         self._control.barrier()
         self._seq = self._control.decide(self._manager.prepare, "cannot use the folder", self.root)
         if remote_manager is not None:  # commit order continues the object store's, whatever the disk lost
@@ -170,6 +172,7 @@ class Checkpointer:
         started = time.perf_counter()
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; make a new one to save again", file=str(self.root))
+        self._hold_live()
         path = self._manager.path(step)
         tiers = tuple(tier for tier, every in (("memory", self.memory_every), ("disk", self.disk_every),
                                                ("remote", self.remote_every))
@@ -302,6 +305,7 @@ class Checkpointer:
         random streams are re-seeded from the run's seed, the step and the rank.
         """
         self.wait()
+        self._hold_live()
         if dataloader is not None:
             self._preemption.guard_workers(dataloader)
         choice = self._resumer.choose(step)
@@ -367,7 +371,14 @@ class Checkpointer:
         for collective in (self._save, self._control, *((self._peers.collective,) if self._peers else ())):
             if collective.distributed:
                 dist.destroy_process_group(collective.group)
+        if self._live is not None:
+            self._live.release()
         self._closed = True
+
+    def _hold_live(self) -> None:
+        """Say that this process trains the run (a local one) until close(), so that no rollback runs meanwhile."""
+        if self._live is None and isinstance(self.root, Path):
+            self._live = LiveLock(self.root)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -10,6 +10,7 @@ machine are released; those on other machines are left out by the next resume, w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 
 from ..errors import CheckpointError, MissingFileError, UnsafePathError
 from ..storage import AnyPath, RemotePath, open_regular, replace_file
+from .liveness import quiet_run
 
 __all__ = ["ROLLBACK_FILE", "RollbackMarker", "read_marker", "roll_back", "write_marker"]
 
@@ -92,7 +94,7 @@ def roll_back(root: str | os.PathLike[str], step: int, *, delete: bool = False,
     release this machine's memory snapshots of later steps, and (with `delete`) delete the abandoned checkpoints.
     Refused while a process of the run is alive. Returns what was done, as plain values."""
     from .manager import CheckpointManager  # the manager reads the marker this module writes
-    from .memory import drop_later, rank_folders, run_folder, survey
+    from .memory import run_folder, survey
 
     managers = [CheckpointManager(root, None)]
     if remote is not None:
@@ -103,6 +105,17 @@ def roll_back(root: str | os.PathLike[str], step: int, *, delete: bool = False,
     if any(r.alive for r in ranks):
         raise CheckpointError("a process of the run is alive (its Checkpointer holds its memory snapshots); stop "
                               "the run before rolling it back", file=str(local.root))
+    # held exclusively meanwhile: a Checkpointer that saved or resumed holds it shared until it closes
+    with quiet_run(local.root) if isinstance(local.root, Path) else contextlib.nullcontext():
+        return _abandon_after(managers, folder, root, step, delete)
+
+
+def _abandon_after(managers: list[Any], folder: Path, root: str | os.PathLike[str], step: int,
+                   delete: bool) -> dict[str, Any]:
+    """Mark, then set aside or delete, every checkpoint committed after `step`'s (the run is quiet)."""
+    from .memory import drop_later, rank_folders
+
+    local = managers[0]
     listed = [m.list() for m in managers]
     befores = [marker for marker in (read_marker(m.root) for m in managers) if marker is not None]
     instances = [i for infos in listed for i in infos if i.step == step]
