@@ -168,15 +168,20 @@ def test_a_run_without_a_memory_tier_is_alive_until_its_checkpointer_closes(tmp_
     with pytest.raises(CheckpointError, match="alive .*lock"):
         roll_back(tmp_path / "run", 2)
     assert [i.step for i in Checkpointer(tmp_path / "run").list()] == [1, 2, 3]  # nothing abandoned
+    ready, told = os.pipe()
     child = os.fork()
-    if child == 0:  # holds a copy of every descriptor: the at-fork hook closed the lock's
+    if child == 0:  # holds a copy of every descriptor: the at-fork hook closed the lock's before fork() returned
+        os.write(told, b"1")
         time.sleep(3)
         os._exit(0)
     try:
+        assert os.read(ready, 1) == b"1"  # the child runs (a lock's copy is the same lock until it is closed)
         ckpt.close()
         assert roll_back(tmp_path / "run", 2)["abandoned"][0]["step"] == 3
     finally:
         os.waitpid(child, 0)
+        os.close(ready)
+        os.close(told)
     resumed = Checkpointer(tmp_path / "run")
     assert resumed.resume(model=model, optimizer=opt) == 2
     with pytest.raises(CheckpointError, match="alive"):
