@@ -21,6 +21,7 @@ from .local import (
     MAX_JSON_VALUES,
     NEW_FILE_FLAGS,
     LocalFiles,
+    closed_in_children,
     create_new,
     open_regular,
     parse_json,
@@ -36,9 +37,9 @@ if TYPE_CHECKING:  # loaded only for remote checkpoints
     from .range_cache import RangeCache
 
 __all__ = ["MAX_JSON_VALUES", "NEW_FILE_FLAGS", "AnyPath", "Buffer", "ByteStore", "LocalFiles", "Remote",
-           "RemoteFiles", "RemotePath", "as_path", "create_new", "entries", "is_url", "lexists", "local_path",
-           "open_regular", "parse_json", "prefetched", "probe", "read_capped", "read_head", "read_small",
-           "remote_cache", "replace_file", "remote_defaults", "remote_options", "store_at"]
+           "RemoteFiles", "RemotePath", "as_path", "closed_in_children", "create_new", "entries", "is_url", "lexists",
+           "local_path", "open_regular", "parse_json", "prefetched", "probe", "read_capped", "read_head",
+           "read_small", "remote_cache", "replace_file", "remote_defaults", "remote_options", "store_at"]
 
 Run = tuple[int, int]  # [begin, end) byte offsets in one file
 AnyPath = Path | RemotePath  # a checkpoint's file or folder: local, or under a URL

@@ -41,6 +41,20 @@ _FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_IS
 NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
 
 
+def closed_in_children(held: set[int]) -> None:
+    """Close the descriptors in `held` in every child this process forks. A flock belongs to the open file, which
+    a forked child (a DataLoader worker) shares: without this, a lock would outlive its holder for as long as
+    the children run. Each set lists the locks of one kind this process holds."""
+
+    def close_inherited() -> None:
+        for fd in held:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        held.clear()
+
+    os.register_at_fork(after_in_child=close_inherited)
+
+
 def create_new(path: Path) -> BinaryIO:
     """A new file at `path`, open for writing (see NEW_FILE_FLAGS)."""
     return os.fdopen(os.open(path, NEW_FILE_FLAGS, 0o644), "wb")

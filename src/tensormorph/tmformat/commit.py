@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 
 from ..errors import CheckpointError
 from ..extras import require_for_url
-from ..storage import NEW_FILE_FLAGS, create_new, is_url, local_path
+from ..storage import NEW_FILE_FLAGS, closed_in_children, create_new, is_url, local_path
 from .manifest import GENERATION_PREFIX, INIT_PREFIX, MANIFEST, MAX_MANIFEST_BYTES, SAVE_MARKER, TEMP_PREFIX, parse
 from .recovery import all_files
 from .stream import OutputFile
@@ -325,20 +325,9 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
 WRITEBACK_PIECE = 64 * 1024**2
 
 
-# A flock belongs to the open file, which a forked child (a DataLoader worker started while a save is in
-# flight) shares: the lock would outlive a killed saver for as long as its children run. Children close
-# their copies, so only the saving process holds the lock.
+# the save markers this process holds locked: children it forks while a save is in flight close their copies
 _HELD_MARKERS: set[int] = set()
-
-
-def _close_inherited_markers() -> None:
-    for fd in _HELD_MARKERS:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _HELD_MARKERS.clear()
-
-
-os.register_at_fork(after_in_child=_close_inherited_markers)
+closed_in_children(_HELD_MARKERS)
 
 
 def discard_folder(folder: Path) -> None:

@@ -18,32 +18,31 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..storage import closed_in_children
 
 LIVE_FILE = ".tensormorph-live"
 
-_HELD: set[int] = set()  # descriptors this process holds locked, closed in forked children
-
-
-def _close_in_child() -> None:
-    for descriptor in _HELD:
-        with contextlib.suppress(OSError):
-            os.close(descriptor)
-    _HELD.clear()
-
-
-os.register_at_fork(after_in_child=_close_in_child)
+_HELD: set[int] = set()  # the run locks this process holds: children it forks close their copies
+closed_in_children(_HELD)
 
 
 def _open(root: Path, *, create: bool) -> int | None:
-    """The lock file's descriptor: created if asked, never through a link; None when it is absent."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_CREAT if create else 0)
+    """The lock file's descriptor: made new if asked (O_EXCL), else the one there; never through a link (O_NOFOLLOW
+    refuses one planted at its name); None when it is absent."""
+    path, flags = root / LIVE_FILE, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
-        descriptor = os.open(root / LIVE_FILE, flags, 0o644)
+        if create:
+            with contextlib.suppress(FileExistsError):
+                return _regular(os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), root)
+        return _regular(os.open(path, flags), root)
     except FileNotFoundError:
         return None
     except OSError as exc:  # a link planted at its name (ELOOP), a folder, no permission
         raise CheckpointError(f"cannot use the run's liveness lock {LIVE_FILE}: {exc.strerror or exc}",
-                              file=str(root / LIVE_FILE)) from None
+                              file=str(path)) from None
+
+
+def _regular(descriptor: int, root: Path) -> int:
     if not stat.S_ISREG(os.fstat(descriptor).st_mode):
         os.close(descriptor)
         raise CheckpointError(f"the run's liveness lock {LIVE_FILE} is not a regular file", file=str(root / LIVE_FILE))
