@@ -42,7 +42,7 @@ from tensormorph.errors import (
     UnknownFormatError,
     UnsafePickleError,
 )
-from tensormorph.formats import dcp as dcp_format
+from tensormorph.formats import dcp_metadata
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,7 +51,7 @@ pytestmark = pytest.mark.timeout(120)
 def nul_in_stored_path(blob: bytes) -> bool:
     """A .metadata naming a data file with a NUL byte: a known bug (test_nul_byte_in_a_named_file_...)."""
     try:
-        record = safe_pickle.loads(blob, dcp_format._metadata_globals())
+        record = safe_pickle.loads(blob, dcp_metadata.metadata_globals())
     except CheckpointError:
         return False
     storage = getattr(record, "storage_data", None)
@@ -91,7 +91,7 @@ def assert_reads_as_the_seed(folder: Path, format: str | None, seed: tuple[dict[
 class _DcpMetadataUnpickler(ReferenceUnpickler):
     """The reference unpickler with the DCP reader's stand-ins for DCP's metadata records."""
 
-    allowed = dcp_format._metadata_globals()
+    allowed = dcp_metadata.metadata_globals()
 
     def find_class(self, module: str, name: str) -> Any:
         try:

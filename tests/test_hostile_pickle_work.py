@@ -30,8 +30,7 @@ from hypothesis import strategies as st
 import tensormorph as tm
 from tensormorph import pickle_work, safe_pickle, torchzip
 from tensormorph.errors import HeaderError
-from tensormorph.formats import dcp as dcp_format
-from tensormorph.formats import megatron
+from tensormorph.formats import dcp_metadata, megatron
 from tensormorph.formats.deepspeed import states as deepspeed_states
 
 pytestmark = pytest.mark.timeout(120)
@@ -281,7 +280,7 @@ with tm.open({str(dcp_seed)!r}) as ck:
 
 def every_global() -> dict[tuple[str, str], Any]:
     """The stand-ins of every reader (the base ones are in the torch and DCP tables)."""
-    return {**torchzip._tensor_globals(lambda *args: None), **dcp_format._metadata_globals(),
+    return {**torchzip._tensor_globals(lambda *args: None), **dcp_metadata.metadata_globals(),
             **megatron.COMMON_GLOBALS, **deepspeed_states.DEEPSPEED_GLOBALS}
 
 
@@ -327,7 +326,7 @@ def test_extension_codes_are_refused() -> None:
     code = 0x7FFFFFF0
     copyreg.add_extension("torch.distributed.checkpoint.metadata", "Metadata", code)
     try:
-        for table in (dcp_format._metadata_globals(), dcp_format._metadata_globals()):
+        for table in (dcp_metadata.metadata_globals(), dcp_metadata.metadata_globals()):
             with pytest.raises(HeaderError, match="extension code"):
                 safe_pickle.loads(b"\x80\x02\x84" + code.to_bytes(4, "little") + b")\x81.", table)
     finally:

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 import tensormorph as tm
 from tensormorph import safe_pickle
 from tensormorph.errors import CheckpointError, HeaderError, UnsafePickleError
-from tensormorph.formats import dcp as dcp_format
+from tensormorph.formats import dcp_metadata
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,7 +79,7 @@ def test_record_state_cannot_change_a_records_class(tmp_path: Path) -> None:
     """BUILD state naming __class__ (and friends) must not turn a stand-in record into something else."""
     payload = (b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81}(X\x09\x00\x00\x00__class__"
                b"ctorch.distributed.checkpoint.metadata\nMetadataIndex\nX\x0a\x00\x00\x00__reduce__cbuiltins\nset\nub.")
-    record = outcome(lambda: safe_pickle.loads(payload, dcp_format._metadata_globals()))
+    record = outcome(lambda: safe_pickle.loads(payload, dcp_metadata.metadata_globals()))
     if not isinstance(record, CheckpointError):
         assert type(record).__name__ == "Metadata" and isinstance(record, safe_pickle.Record)
     folder = tmp_path / "ckpt"

@@ -100,11 +100,11 @@ def record_class(kind: str) -> type[Record]:
     return type(kind, (Record,), {"kind": kind})
 
 
-def _ordered_dict(*args: Any) -> collections.OrderedDict:
+def ordered_dict(*args: Any) -> collections.OrderedDict:
     return collections.OrderedDict(*args)
 
 
-def _encode(text: str, encoding: str = "latin1") -> bytes:
+def latin1_encode(text: str, encoding: str = "latin1") -> bytes:
     # Protocol-2 pickles of bytes go through _codecs.encode(str, 'latin1').
     if encoding not in ("latin1", "latin-1"):
         raise HeaderError(f"_codecs.encode with encoding {encoding!r} is not plain data")
@@ -112,9 +112,9 @@ def _encode(text: str, encoding: str = "latin1") -> bytes:
 
 
 BASE_GLOBALS: Globals = MappingProxyType({
-    ("collections", "OrderedDict"): _ordered_dict,
+    ("collections", "OrderedDict"): ordered_dict,
     ("torch", "Size"): tuple,  # readers check that sizes hold integers
-    ("_codecs", "encode"): _encode,
+    ("_codecs", "encode"): latin1_encode,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     ("builtins", "complex"): complex,
@@ -176,7 +176,7 @@ class _AllowlistUnpickler(pickle._Unpickler):
         self._sizes = dict.fromkeys([*self._shared, id(())], 1)  # id -> expanded size, of objects sized so far
         self._alive: list[Any] = []  # each object in _sizes, so that no other object takes its id
         self._fresh: dict[int, Any] = {}  # records that calls created and that have not taken state yet
-        self._keys = KeyHashes(dict_makers=(_ordered_dict,))
+        self._keys = KeyHashes(dict_makers=(ordered_dict,))
 
     def _too_big(self) -> HeaderError:
         return HeaderError(f"pickle expands to more than {self._budget} objects through shared references "
@@ -438,14 +438,18 @@ class _AllowlistUnpickler(pickle._Unpickler):
         try:
             return self._allowed[(module, name)]
         except KeyError:
-            raise UnsafePickleError(
-                f"refuses global {module}.{name}: it is not on the allowlist of plain data and tensor records, "
-                "and loading it could run code", file=self._file) from None
+            raise refused(module, name, file=self._file) from None
 
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent is None:
             raise UnsafePickleError(f"unexpected persistent id {pid!r}", file=self._file)
         return self._persistent(pid)
+
+
+def refused(module: str, name: str, *, file: str | None) -> UnsafePickleError:
+    """The refusal of a global that is not on the allowlist."""
+    return UnsafePickleError(f"refuses global {module}.{name}: it is not on the allowlist of plain data and tensor "
+                             "records, and loading it could run code", file=file)
 
 
 def loads(data: bytes | memoryview, allowed: Globals = BASE_GLOBALS, *,

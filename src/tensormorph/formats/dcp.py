@@ -1,10 +1,10 @@
 """PyTorch Distributed Checkpoint (DCP): `.metadata` plus `__{rank}_{n}.distcp` data files.
 
-`.metadata` is a plain pickle of DCP's metadata dataclasses. We rebuild it
-with the allowlist unpickler into stand-in records and convert those into
-chunks, so no torch import and no checkpoint code is needed. Each tensor
-item is a torch.save archive at (offset, length) of a data file, parsed
-lazily on first read so opening stays a metadata-only operation.
+`.metadata` is a plain pickle of DCP's metadata dataclasses. dcp_metadata reads it with an allowlist of
+stand-in records (in process, or by the C unpickler in a limited child process for a large one) into a
+plain summary, which is validated and turned into chunks here, so no torch import and no checkpoint code
+is needed. Each tensor item is a torch.save archive at (offset, length) of a data file, parsed lazily on
+first read so opening stays a metadata-only operation.
 
 Items may not share bytes, and an uncompressed item must be at least as long
 as the chunk it declares, so what a checkpoint declares is bounded by its
@@ -23,7 +23,6 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
-from pathlib import PurePosixPath
 from typing import Any, cast
 
 import numpy as np
@@ -45,40 +44,18 @@ from ..shapes import MAX_DIMS, MAX_OFFSET, check_offset, check_shape, describe
 from ..storage import AnyPath, ByteStore, entries, read_head, store_at
 from ..tiling import validate_tiling
 from ..units import human_bytes
+from . import dcp_metadata
 from .contract import Detection
+from .dcp_summary import TENSOR_ENTRY
 
 NAME = "dcp"
 
 METADATA_FILE = ".metadata"
 PER_RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
 DATA_FILE_RANK = re.compile(r"^__(\d+)_\d+\.distcp$")
-MAX_METADATA_BYTES = 1_000_000_000
 ZIP_OVERHEAD_ALLOWANCE = 1 << 20  # a chunk's archive is its data plus a few KiB of zip and pickle
 MAX_OBJECT_BYTES = 1 << 30
 ZSTD_MAX_WINDOW = 1 << 27  # the largest window a frame may demand (decoder memory); zstd's own default limit
-
-_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed._shard.sharded_tensor.metadata")
-_RECORDS = ("Metadata", "MetadataIndex", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
-            "TensorProperties", "StorageMeta")
-
-
-def _metadata_globals() -> dict[tuple[str, str], Any]:
-    table: dict[tuple[str, str], Any] = dict(safe_pickle.BASE_GLOBALS)
-    for module in _MODULES:
-        for record in _RECORDS:
-            table[(module, record)] = safe_pickle.record_class(record)
-        table[(module, "_MEM_FORMAT_ENCODING")] = int
-        table[(module, "MEM_FORMAT_ENCODING")] = int
-    table[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = safe_pickle.record_class("_StorageInfo")
-    # Megatron-Core keeps every rank's save plan in Metadata.all_local_plans (to reuse it on the next save)
-    for record in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"):
-        table[("torch.distributed.checkpoint.planner", record)] = safe_pickle.record_class(record)
-    table[("torch.serialization", "_get_layout")] = str
-    table[("torch", "strided")] = "torch.strided"
-    for path_class in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
-        table[("pathlib", path_class)] = lambda *parts: str(PurePosixPath(*(str(p) for p in parts)))
-    return table
-
 
 def _metadata_files(path: AnyPath) -> list[AnyPath]:
     if path.is_file():
@@ -237,92 +214,41 @@ def _decode_object(files: ByteStore, item: _Item, name: str) -> Any:
     return value
 
 
-def _read_metadata(files: ByteStore, name: str) -> Any:
-    size = files.size(name)
-    if size > MAX_METADATA_BYTES:
-        raise HeaderError(f"is {size} bytes, over the {MAX_METADATA_BYTES}-byte limit", file=files.describe(name))
-    data = files.read(name, 0, size)
-    record = safe_pickle.loads(data, _metadata_globals(), file=files.describe(name))
-    if type(record).__name__ != "Metadata":
-        raise HeaderError(f"holds a {type(record).__name__}, not DCP Metadata", file=files.describe(name))
-    return record
-
-
-def _attr(record: Any, name: str, file: str, expected: type | tuple[type, ...], default: Any = ...) -> Any:
-    value = getattr(record, name, default)
-    if value is ...:
-        raise HeaderError(f"{type(record).__name__} lacks field {name!r}", file=file)
-    if value is not None and not isinstance(value, expected):
-        raise HeaderError(f"{type(record).__name__}.{name} should be {expected}, found {type(value).__name__}",
-                          file=file)
-    return value
-
-
-def _ints(value: Any, what: str, file: str, name: str) -> tuple[int, ...]:
-    """A declared size or offsets: at most MAX_DIMS integers in [0, MAX_DIM), checked before any arithmetic."""
-    return check_shape(value, file=file, tensor=name, what=what)
-
-
-def _dtype_of(properties: Any, file: str, name: str) -> str:
-    dtype = getattr(properties, "dtype", None)
-    state = getattr(properties, "state", None)
-    if dtype is None and isinstance(state, tuple) and state:
-        dtype = state[0]
-    if not isinstance(dtype, safe_pickle.TorchDType) or dtype.torch_name not in dtypes.TORCH_DTYPE_NAMES:
+def _dtype_of(dtype: Any, file: str, name: str) -> str:
+    if dtype not in dtypes.TORCH_DTYPE_NAMES:
         raise HeaderError(f"unsupported or missing dtype {dtype!r}", file=file, tensor=name)
-    return dtype.vocabulary
-
-
-def _planner_data(value: Any) -> Any:
-    """fqn -> the original nesting path (kept cheap: it has an entry per tensor)."""
-    if isinstance(value, dict):
-        return {str(k): list(v) if type(v) is tuple else _plain(v) for k, v in value.items()}
-    return _plain(value)
-
-
-def _plain(value: Any) -> Any:
-    """Metadata fields as JSON-able values for Checkpoint.metadata."""
-    if isinstance(value, safe_pickle.Record):
-        return {k: _plain(v) for k, v in vars(value).items() if k != "args"}
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return repr(value)
+    return dtypes.TORCH_DTYPE_NAMES[dtype]
 
 
 @dataclass
 class _Parsed:
-    records: list[Any]
-    state: dict[str, Any]
+    summaries: list[dict[str, Any]]
+    state: dict[str, list[Any]]  # fqn -> [fqn, kind, dtype, size, chunks] (see dcp_summary)
     storage: dict[tuple[str, tuple[int, ...] | None], _Item]
 
 
 def _parse(files: ByteStore, metadata_names: list[str], where: str) -> _Parsed:
     """Read and merge the metadata file(s): the entries and where each item is stored."""
-    records = [_read_metadata(files, name) for name in metadata_names]
-    state: dict[str, Any] = {}
+    summaries = [dcp_metadata.read_summary(files, name) for name in metadata_names]
+    state: dict[str, list[Any]] = {}
     storage: dict[tuple[str, tuple[int, ...] | None], _Item] = {}
     hashes = KeyHashes(file=where)  # offsets tuples can be made to share one hash: counted before the dict hashes them
     more_chunks: dict[str, list[Any]] = {}  # per-rank metadata files' chunks, joined once: linear in the files
-    for record in records:
-        for fqn, entry in (_attr(record, "state_dict_metadata", where, dict) or {}).items():
-            if not isinstance(fqn, str):
-                raise HeaderError(f"state_dict_metadata key {fqn!r} is not a string", file=where)
-            if fqn in state and type(entry).__name__ == "TensorStorageMetadata":
-                more_chunks.setdefault(fqn, []).extend(_attr(entry, "chunks", where, (list, tuple), None) or ())
+    for summary in summaries:
+        for entry in summary["entries"]:
+            if entry[0] in state and entry[1] == TENSOR_ENTRY:
+                more_chunks.setdefault(entry[0], []).extend(entry[4])
             else:
-                state[fqn] = entry
-        items = [(_storage_key(index, where), info)
-                 for index, info in (_attr(record, "storage_data", where, dict) or {}).items()]
+                state[entry[0]] = entry
+        items = [(_storage_key(fqn, offset, where), (relative, begin, length, transforms))
+                 for fqn, offset, relative, begin, length, transforms in summary["storage"]]
         hashes.admit((key for key, _ in items), into=storage)
         for key, info in items:
-            storage[key] = _item(info, files, where, key[0])
+            storage[key] = _item(*info, files, where, key[0])
     for fqn, chunks in more_chunks.items():
-        state[fqn].chunks = list(_attr(state[fqn], "chunks", where, (list, tuple), None) or ()) + chunks
-    return _Parsed(records, state, storage)
+        if state[fqn][1] == TENSOR_ENTRY:
+            state[fqn][4] = state[fqn][4] + chunks
+    return _Parsed(summaries, state, storage)
 
 
 def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointError | None]]:
@@ -350,7 +276,7 @@ def open(detection: Detection) -> Checkpoint:
     root, where = metadata_paths[0].parent, str(metadata_paths[0])
     files = store_at(root)
     parsed = _parse(files, [p.name for p in metadata_paths], where)
-    records, state, storage = parsed.records, parsed.state, parsed.storage
+    state, storage = parsed.state, parsed.storage
 
     data_files = sorted({item.file for item in storage.values()})
     files.prefetch(data_files, head=0)  # their sizes, asked all at once
@@ -371,23 +297,23 @@ def open(detection: Detection) -> Checkpoint:
     tensors: dict[str, LogicalTensor] = {}
     objects: dict[str, ObjectEntry] = {}
     for fqn, entry in state.items():
-        kind = type(entry).__name__
+        kind = entry[1]
         if kind == "BytesStorageMetadata":
             stored = storage.get((fqn, None))
             if stored is None:
                 raise HeaderError("no storage entry for this object", file=where, tensor=fqn)
             objects[fqn] = ObjectEntry(fqn, stored.length, stored.file,
                                        loader=partial(_decode_object, files, stored, fqn))
-        elif kind == "TensorStorageMetadata":
+        elif kind == TENSOR_ENTRY:
             tensors[fqn] = _tensor(fqn, entry, storage, files, where)
         else:
             raise HeaderError(f"unknown storage metadata {kind}", file=where, tensor=fqn)
 
-    record = records[0]
+    first = parsed.summaries[0]
     metadata = {
-        "version": getattr(record, "version", None),
-        "storage_meta": _plain(getattr(record, "storage_meta", None)),
-        "planner_data": _planner_data(getattr(record, "planner_data", None)),
+        "version": first["version"],
+        "storage_meta": first["storage_meta"],
+        "planner_data": first["planner_data"],
         "metadata_files": [p.name for p in metadata_paths],
     }
     return Checkpoint(path=root, format=NAME, tensors=tensors, objects=objects, metadata=metadata,
@@ -404,37 +330,31 @@ def _check_disjoint(storage: dict[tuple[str, tuple[int, ...] | None], _Item], fi
                               file=files.describe(file), tensor=second)
 
 
-def _storage_key(index: Any, where: str) -> tuple[str, tuple[int, ...] | None]:
-    fqn = getattr(index, "fqn", None)
-    if type(index).__name__ != "MetadataIndex" or not isinstance(fqn, str):
-        raise HeaderError(f"storage_data key {index!r} is not a MetadataIndex", file=where)
-    offset = getattr(index, "offset", None)
+def _storage_key(fqn: str, offset: Any, where: str) -> tuple[str, tuple[int, ...] | None]:
     # only looked up, never computed with: any int64 passes (a negative one matches no chunk and is left unread)
-    if offset is not None and (not isinstance(offset, (tuple, list)) or len(offset) > MAX_DIMS
+    if offset is not None and (not isinstance(offset, list) or len(offset) > MAX_DIMS
                                or not all(type(v) is int and -MAX_OFFSET <= v < MAX_OFFSET for v in offset)):
         raise HeaderError(f"MetadataIndex.offset must be at most {MAX_DIMS} 64-bit integers, found {describe(offset)}",
                           file=where, tensor=fqn)
     return fqn, None if offset is None else tuple(offset)
 
 
-def _item(info: Any, files: ByteStore, where: str, fqn: str) -> _Item:
-    relative = _attr(info, "relative_path", where, str)
-    offset = check_offset(_attr(info, "offset", where, int), file=where, tensor=fqn, what="storage offset")
-    length = check_offset(_attr(info, "length", where, int), file=where, tensor=fqn, what="storage length")
-    transforms = _attr(info, "transform_descriptors", where, (list, tuple), default=None) or ()
+def _item(relative: str, begin: Any, length: Any, transforms: list[str], files: ByteStore, where: str,
+          fqn: str) -> _Item:
+    offset = check_offset(begin, file=where, tensor=fqn, what="storage offset")
+    length = check_offset(length, file=where, tensor=fqn, what="storage length")
     files.describe(relative, referrer=where)  # refuses a file outside the folder, naming the metadata file
-    if not all(isinstance(t, str) for t in transforms):
-        raise HeaderError(f"transform_descriptors should be strings, found {transforms!r}", file=where)
     return _Item(relative, offset, length, tuple(transforms))
 
 
-def _tensor(fqn: str, entry: Any, storage: dict, files: ByteStore, where: str) -> LogicalTensor:
-    dtype = _dtype_of(getattr(entry, "properties", None), where, fqn)
-    shape = _ints(getattr(entry, "size", None), "size", where, fqn)
+def _tensor(fqn: str, entry: list[Any], storage: dict, files: ByteStore, where: str) -> LogicalTensor:
+    _, _, dtype_name, size, chunk_entries = entry
+    dtype = _dtype_of(dtype_name, where, fqn)
+    shape = check_shape(size, file=where, tensor=fqn, what="size")
     chunks = []
-    for chunk_record in getattr(entry, "chunks", None) or []:
-        offsets = _ints(getattr(chunk_record, "offsets", None), "chunk offsets", where, fqn)
-        sizes = _ints(getattr(chunk_record, "sizes", None), "chunk sizes", where, fqn)
+    for chunk_offsets, chunk_sizes in chunk_entries:
+        offsets = check_shape(chunk_offsets, file=where, tensor=fqn, what="chunk offsets")
+        sizes = check_shape(chunk_sizes, file=where, tensor=fqn, what="chunk sizes")
         item = storage.get((fqn, offsets))
         if item is None:
             raise HeaderError(f"chunk at offsets {list(offsets)} has no storage entry", file=where, tensor=fqn)

@@ -1,0 +1,152 @@
+"""Reading one DCP `.metadata` into its summary (dcp_summary): in process, or in a limited child process.
+
+`.metadata` is a pickle of DCP's dataclasses. A small one is read in process by safe_pickle's allowlist
+unpickler, which bounds its own work. A large one (20,000 tensors is about 5 MB) is read by CPython's C
+unpickler, about four times faster, in a child process (`python -I -S`: no site packages, no environment)
+under RLIMIT_CPU and RLIMIT_AS, with the same allowlist. The C unpickler's known attacks (a LONG_BINPUT
+index that makes it allocate a memo of that size, keys of one hash value that make filling a dict
+quadratic) there end as the child's limits, and are reported as a HeaderError naming the file. Both paths
+give the same summary, which the reader then validates field by field.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from .. import safe_pickle
+from ..errors import HeaderError
+from ..storage import ByteStore
+from . import dcp_summary
+
+MAX_METADATA_BYTES = 1_000_000_000
+
+CHILD_FROM_BYTES = 1 << 20
+"""A `.metadata` this long or longer is read in a child process: starting one takes about 30 ms, the time the
+pure-Python unpickler spends on 100 KB; the C one saves about 0.2 s per MB."""
+
+CHILD_CPU_S = 10
+CHILD_CPU_S_PER_MB = 2
+"""CPU seconds the child may use: the C unpickler reads a real `.metadata` at about 10 MB/s of CPU time, so this
+is 20 times that, plus a floor; keys of one hash value past it are stopped there."""
+
+CHILD_MEMORY = 512 << 20
+CHILD_MEMORY_PER_BYTE = 64
+"""Address space the child may map: the interpreter, plus the records of a real `.metadata` (about 20 bytes of
+objects per byte of pickle here) three times over. A forged memo index asks for more and fails."""
+
+SUMMARY_PER_BYTE = 8
+MIN_SUMMARY = 16 << 20
+"""The child's answer may be at most this many bytes per byte of pickle (a real one is about one), plus a floor."""
+
+CHILD_WALL_FACTOR = 10
+"""Wall-clock seconds allowed per CPU second (on a loaded machine the child gets a share of a core): past them a
+child that does not use its CPU time (blocked) is stopped."""
+
+
+def _posix_path(*parts: Any) -> str:
+    return str(PurePosixPath(*(str(p) for p in parts)))
+
+
+_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed._shard.sharded_tensor.metadata")
+_RECORDS = ("Metadata", "MetadataIndex", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
+            "TensorProperties", "StorageMeta")
+
+
+def metadata_globals() -> dict[tuple[str, str], Any]:
+    """The allowlist: DCP's records as stand-ins, plus plain values (safe_pickle.BASE_GLOBALS)."""
+    table: dict[tuple[str, str], Any] = dict(safe_pickle.BASE_GLOBALS)
+    for module in _MODULES:
+        for record in _RECORDS:
+            table[(module, record)] = safe_pickle.record_class(record)
+        table[(module, "_MEM_FORMAT_ENCODING")] = int
+        table[(module, "MEM_FORMAT_ENCODING")] = int
+    table[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = safe_pickle.record_class("_StorageInfo")
+    # Megatron-Core keeps every rank's save plan in Metadata.all_local_plans (to reuse it on the next save)
+    for record in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"):
+        table[("torch.distributed.checkpoint.planner", record)] = safe_pickle.record_class(record)
+    table[("torch.serialization", "_get_layout")] = str
+    table[("torch", "strided")] = "torch.strided"
+    for path_class in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
+        table[("pathlib", path_class)] = _posix_path
+    return table
+
+
+_CALL_TAGS: dict[Any, str] = {
+    tuple: "tuple", int: "int", str: "str", set: "set", frozenset: "frozenset", complex: "complex",
+    safe_pickle.ordered_dict: "ordered_dict", safe_pickle.latin1_encode: "latin1", _posix_path: "path"}
+
+
+def child_allowlist() -> list[list[str]]:
+    """metadata_globals() as the child's tags (dcp_summary.stand_ins): the one allowlist, written down once."""
+    tags = []
+    for (module, name), value in metadata_globals().items():
+        if isinstance(value, type) and issubclass(value, safe_pickle.Record):
+            tags.append([module, name, "record", value.kind])
+        elif isinstance(value, safe_pickle.TorchDType):
+            tags.append([module, name, "dtype", value.torch_name])
+        elif isinstance(value, str):
+            tags.append([module, name, "const", value])
+        else:
+            tags.append([module, name, "call", _CALL_TAGS[value]])
+    return tags
+
+
+def read_summary(files: ByteStore, name: str) -> dict[str, Any]:
+    """The summary (dcp_summary.summarize) of the `.metadata` file `name`, or a CheckpointError naming it."""
+    where = files.describe(name)
+    size = files.size(name)
+    if size > MAX_METADATA_BYTES:
+        raise HeaderError(f"is {size} bytes, over the {MAX_METADATA_BYTES}-byte limit", file=where)
+    data = bytes(files.read(name, 0, size))
+    if size >= CHILD_FROM_BYTES:
+        try:
+            return summary_in_child(data, where)
+        except OSError:  # no interpreter to start (an embedded Python): read it here, more slowly
+            pass
+    return summary_in_process(data, where)
+
+
+def summary_in_process(data: bytes, where: str) -> dict[str, Any]:
+    record = safe_pickle.loads(data, metadata_globals(), file=where)
+    try:
+        return dcp_summary.summarize(record, safe_pickle.expansion_budget(len(data)))
+    except dcp_summary.Malformed as exc:
+        raise HeaderError(str(exc), file=where, tensor=exc.tensor) from None
+
+
+def summary_in_child(data: bytes, where: str) -> dict[str, Any]:
+    """The summary, made by the C unpickler in a child process under CPU and memory limits."""
+    cpu_s = CHILD_CPU_S + CHILD_CPU_S_PER_MB * len(data) // 1_000_000
+    memory = CHILD_MEMORY + CHILD_MEMORY_PER_BYTE * len(data)
+    request = {"length": len(data), "cpu_s": cpu_s, "memory": memory, "allowlist": child_allowlist(),
+               "budget": safe_pickle.expansion_budget(len(data)),
+               "max_output": max(MIN_SUMMARY, SUMMARY_PER_BYTE * len(data))}
+    command = [sys.executable, "-I", "-S", "-B", str(Path(dcp_summary.__file__))]
+    child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        out, _ = child.communicate(json.dumps(request).encode() + b"\n" + data, timeout=CHILD_WALL_FACTOR * cpu_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        raise HeaderError(f"reading it took more than {CHILD_WALL_FACTOR * cpu_s} s", file=where) from None
+    if child.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        raise HeaderError(f"reading it used more than its {cpu_s} s of CPU time (a real .metadata of "
+                          f"{len(data)} bytes takes a small fraction of that)", file=where)
+    try:
+        answer = json.loads(out)
+    except ValueError:
+        raise HeaderError(f"the child reading it stopped with status {child.returncode} and no answer",
+                          file=where) from None
+    if "summary" in answer:
+        return answer["summary"]
+    if answer.get("unsafe"):
+        raise safe_pickle.refused(*answer["unsafe"], file=where)
+    if answer["error"] == "memory":
+        raise HeaderError(f"reading it needs more than {memory} bytes of memory, the limit for a pickle of "
+                          f"{len(data)} bytes (a forged memo index or length?)", file=where)
+    raise HeaderError(answer["error"], file=where, tensor=answer["tensor"])
