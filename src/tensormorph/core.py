@@ -82,7 +82,8 @@ class MappedArray:
         self.files.advise(self.file, runs, advice)
 
     def read_into(self, index: tuple[slice, ...], target: np.ndarray) -> bool:
-        """Read `index` straight from the file into `target` when both are one contiguous run of bytes.
+        """Read `index` straight from the file into `target` when it is one contiguous run of bytes, or whole
+        rows of a C-ordered array (then read at once, storage.scattered).
 
         Large sequential reads run at the disk's rate this way, without faulting pages in through the
         memory map. Returns False (and does nothing) when the layout does not allow it. From a remote store it
@@ -96,16 +97,24 @@ class MappedArray:
         if target.dtype != self.dtype or not target.flags.c_contiguous or target.nbytes < DIRECT_READ_MIN:
             return False
         runs = byte_runs(self.offset, self.shape, self._byte_strides(), self.dtype.itemsize, index)
-        if len(runs) != 1 or runs[0][1] - runs[0][0] != target.nbytes:
-            return False
-        self.files.read_into(self.file, runs[0][0], target.reshape(-1).view(np.uint8).data)
-        return True
+        flat = target.reshape(-1).view(np.uint8).data
+        if len(runs) == 1 and runs[0][1] - runs[0][0] == target.nbytes:
+            self.files.read_into(self.file, runs[0][0], flat)
+            return True
+        # Whole rows of a C-ordered array, in order, are the region's bytes: read them all at once (a cold
+        # disk serves queued reads in parallel) rather than fault them in through the map one by one.
+        if (self.strides is None and target.nbytes // len(runs) >= SCATTERED_ROW_MIN
+                and sum(end - begin for begin, end in runs) == target.nbytes):
+            self.files.read_runs(self.file, runs, flat)
+            return True
+        return False
 
     def _byte_strides(self) -> tuple[int, ...] | None:
         return None if self.strides is None else tuple(s * self.dtype.itemsize for s in self.strides)
 
 
 DIRECT_READ_MIN = 1 << 20  # below this, copying from the memory map costs less than a system call
+SCATTERED_ROW_MIN = 1024  # rows shorter than this on average are copied from the map: a call each would cost more
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointError, HeaderError, MissingFileError, TruncatedFileError, UnsafePathError
+from .scattered import read_pieces
 
 _EMPTY = memoryview(b"")
 ADVICE_PIECE = 8 * 1024**2
@@ -324,8 +325,7 @@ class LocalFiles:
         descriptors between calls that a caller could run out of, and none is shared between threads."""
         fd, where = self._open(name), self.describe(name)
         try:
-            for offset, target in pieces:
-                pread_into(fd, offset, target, where)
+            read_pieces(fd, pieces, lambda fd, offset, target: pread_into(fd, offset, target, where))
         finally:
             os.close(fd)
 
