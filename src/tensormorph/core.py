@@ -83,7 +83,7 @@ class MappedArray:
 
     def read_into(self, index: tuple[slice, ...], target: np.ndarray) -> bool:
         """Read `index` straight from the file into `target` when it is one contiguous run of bytes, or whole
-        rows of a C-ordered array (then read at once, storage.scattered).
+        rows of a C-ordered array (their reads queued at once, storage.scattered).
 
         Large sequential reads run at the disk's rate this way, without faulting pages in through the
         memory map. Returns False (and does nothing) when the layout does not allow it. From a remote store it
@@ -101,8 +101,8 @@ class MappedArray:
         if len(runs) == 1 and runs[0][1] - runs[0][0] == target.nbytes:
             self.files.read_into(self.file, runs[0][0], flat)
             return True
-        # Whole rows of a C-ordered array, in order, are the region's bytes: read them all at once (a cold
-        # disk serves queued reads in parallel) rather than fault them in through the map one by one.
+        # Whole rows of a C-ordered array, in order, are the region's bytes: read them with their reads queued
+        # at once (a cold disk serves them in parallel) rather than fault them in through the map one by one.
         if (self.strides is None and target.nbytes // len(runs) >= SCATTERED_ROW_MIN
                 and sum(end - begin for begin, end in runs) == target.nbytes):
             self.files.read_runs(self.file, runs, flat)
