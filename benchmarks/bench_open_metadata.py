@@ -1,4 +1,8 @@
-"""Open a 20,000-tensor checkpoint and list every shape: metadata only, target < 1 s.
+"""Open a 20,000-tensor checkpoint and list every shape: metadata only.
+
+Targets (issue 17): HF-sharded cold <= 0.6 s (warm < 1 s); DCP <= 0.5x the time of DCP's own read_metadata, cold
+and warm (a ratio >= 2). A DCP .metadata of 20,000 tensors (4.7 MB) is read by the C unpickler in a limited child
+process (formats/dcp_metadata.py).
 
 Three checkpoints, all written by the real libraries:
   * HF-sharded safetensors: 1,000 files of 20 small tensors each (safetensors.numpy.save_file)
@@ -174,6 +178,15 @@ def bench_case(label: str, path: Path, anchor_name: str, anchor: Any) -> dict[st
     return results
 
 
+def _target(case: str, mode: str, seconds: float, ratio: float) -> tuple[str, bool]:
+    """The target of a row and whether it is met."""
+    if case.startswith("dcp"):
+        return "<= 0.5x read_metadata (ratio >= 2)", ratio >= 2
+    if mode == "cold":
+        return "<= 0.6 s", seconds <= 0.6
+    return "< 1 s", seconds < 1
+
+
 def main() -> None:
     require_drop_caches()
     cases: dict[str, dict[str, Any]] = {}
@@ -206,15 +219,16 @@ def main() -> None:
         for mode in ("cold", "warm"):
             m = r[mode]
             tm_med, an_med = m["tensormorph_s"]["median"], m["anchor_s"]["median"]
+            target, met = _target(key, mode, tm_med, m["ratio_anchor_over_tm"])
             table.append([labels[key], mode, r["files"], r["tensors"], fmt_s(tm_med), fmt_s(an_med),
                           f"{m['ratio_anchor_over_tm']:.2f}x", f"{fmt_bytes(r['header_bytes_read'])} of "
-                          f"{fmt_bytes(r['file_bytes'])}", "yes" if tm_med < 1 else "NO"])
+                          f"{fmt_bytes(r['file_bytes'])}", target, "yes" if met else "NO"])
             rows.append(row("open + list shapes (20,000 tensors)", f"{labels[key]}, {mode} cache",
                             tensormorph=fmt_s(tm_med), anchor=f"{r['anchor']}: {fmt_s(an_med)}",
-                            ratio=m["ratio_anchor_over_tm"], target="< 1 s", met=tm_med < 1))
+                            ratio=m["ratio_anchor_over_tm"], target=target, met=met))
     print()
     print_table(["checkpoint", "cache", "files", "tensors", "tensormorph", "anchor", "anchor/tm", "bytes read",
-                 "< 1 s"], table)
+                 "target", "met"], table)
     write_result(NAME, {
         "title": "Open a 20,000-tensor checkpoint and list every shape",
         "runs": RUNS,
