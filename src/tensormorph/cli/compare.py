@@ -11,6 +11,7 @@ from rich.table import Table
 from ..formats import open_checkpoint
 from ..ops.diff import diff
 from .output import CheckpointPath, byte_progress, console, fails_cleanly, number, print_json
+from .spread import command_team
 
 _STATUS_STYLE = {"equal": "[green]equal[/green]", "close": "[green]close[/green]", "different": "[red]different[/red]",
                  "shape_mismatch": "[red]shape_mismatch[/red]", "dtype_mismatch": "[yellow]dtype_mismatch[/yellow]",
@@ -41,17 +42,22 @@ _STATUS_STYLE = {"equal": "[green]equal[/green]", "close": "[green]close[/green]
 def diff_command(a: str, b: str, atol: float, rtol: float, renames: tuple[str, ...], transposes: tuple[str, ...],
                  rule_sets: tuple[str, ...], show_all: bool, common_only: bool, heatmap_name: str | None,
                  output: str | None, as_json: bool) -> None:
-    """Compare the logical tensors of two checkpoints (exit 0 same, 1 different, 2 error)."""
+    """Compare the logical tensors of two checkpoints (exit 0 same, 1 different, 2 error). Under torchrun, the
+    processes share the tensors, and rank 0 prints."""
     if (heatmap_name is None) != (output is None):
         raise click.UsageError("--heatmap NAME and -o FILE go together")
     if heatmap_name is not None and output is not None:
         _draw_difference(a, b, heatmap_name, output, as_json)
         return
-    with (open_checkpoint(a) as ck_a, open_checkpoint(b) as ck_b,
-          byte_progress("diff", ck_b.nbytes, enabled=not as_json) as progress):
-        task = progress.add_task("diff", total=ck_b.nbytes)
+    with (command_team() as team, open_checkpoint(a) as ck_a, open_checkpoint(b) as ck_b,
+          byte_progress("diff", ck_b.nbytes, enabled=not as_json and team.rank == 0) as progress):
+        # under torchrun the bar counts rank 0's share: its total is not known here
+        task = progress.add_task("diff", total=ck_b.nbytes if team.world == 1 else None)
         report = diff(ck_a, ck_b, atol=atol, rtol=rtol, rename=list(renames), transpose=list(transposes),
-                      rules=list(rule_sets), common_only=common_only, progress=lambda n: progress.advance(task, n))
+                      rules=list(rule_sets), common_only=common_only, progress=lambda n: progress.advance(task, n),
+                      team=team)
+    if team.rank != 0:  # every process holds the whole report: the same exit status everywhere
+        sys.exit(0 if report.identical else 1)
     if as_json:
         print_json(report.to_dict())
         sys.exit(0 if report.identical else 1)

@@ -10,9 +10,10 @@ import click
 from rich.markup import escape
 
 from ..formats import open_checkpoint
-from ..ops.convert import convert
+from ..ops.convert import ConvertResult, convert
 from ..units import human_bytes
 from .output import CheckpointPath, byte_progress, console, fails_cleanly, print_json
+from .spread import command_team
 
 # commas between placements, not the ones inside a placement's parentheses
 _PLACEMENT_SEPARATOR = re.compile(r",\s*(?![^()]*\))")
@@ -40,27 +41,35 @@ def convert_command(source: str, destination: str, target: str, max_shard_size: 
                     as_json: bool) -> None:
     """Write any checkpoint as a Hugging Face safetensors folder, or re-shard it into the Tensormorph
     format for another world size and placement; streaming, then checked against the source. DESTINATION is a new
-    local folder or a new prefix of an object store (s3://bucket/out)."""
+    local folder or a new prefix of an object store (s3://bucket/out). Under torchrun, the processes share the
+    files to write (and the check), and rank 0 prints."""
     split = [p.strip() for p in _PLACEMENT_SEPARATOR.split(placements) if p.strip()]
-    with open_checkpoint(source) as ck, byte_progress("convert", ck.nbytes, enabled=not as_json) as progress:
-        task = progress.add_task("convert", total=ck.nbytes)
+    with (command_team() as team, open_checkpoint(source) as ck,
+          byte_progress("convert", ck.nbytes, enabled=not as_json and team.rank == 0) as progress):
+        # under torchrun the bar counts rank 0's share: its total is not known here
+        task = progress.add_task("convert", total=ck.nbytes if team.world == 1 else None)
         result = convert(ck, destination, to=target, max_shard_size=max_shard_size, dtype=dtype,
                          rename=list(renames), mesh=mesh, placements=split, redundancy=redundancy,
-                         check=not no_check, progress=lambda n: progress.advance(task, n))
+                         check=not no_check, progress=lambda n: progress.advance(task, n), team=team)
+    if team.rank == 0:
+        _print_result(result, target, as_json)
+    if result.check is not None and not result.check.identical:
+        sys.exit(1)
+
+
+def _print_result(result: ConvertResult, target: str, as_json: bool) -> None:
     check = result.check
     if as_json:
         print_json({"destination": str(result.destination), "files": result.files, "tensors": result.tensors,
                     "bytes_written": result.bytes_written, "skipped_objects": result.skipped_objects,
                     "check": check.to_dict() if check else None})
-    else:
-        console.print(f"wrote {result.tensors} tensors, {human_bytes(result.bytes_written)} in {len(result.files)} "
-                      f"file(s) to {escape(str(result.destination))}")
-        if result.skipped_objects:
-            why = "safetensors holds tensors only" if target == "safetensors" else "not plain data"
-            console.print(f"[yellow]not written[/yellow] ({why}): "
-                          f"{escape(', '.join(result.skipped_objects))}", highlight=False)
-        if check is not None:
-            verdict = "[green]matches the source[/green]" if check.identical else "[red]differs from the source[/red]"
-            console.print(f"check: {verdict} ({', '.join(f'{n} {s}' for s, n in check.counts.items())})")
-    if check is not None and not check.identical:
-        sys.exit(1)
+        return
+    console.print(f"wrote {result.tensors} tensors, {human_bytes(result.bytes_written)} in {len(result.files)} "
+                  f"file(s) to {escape(str(result.destination))}")
+    if result.skipped_objects:
+        why = "safetensors holds tensors only" if target == "safetensors" else "not plain data"
+        console.print(f"[yellow]not written[/yellow] ({why}): "
+                      f"{escape(', '.join(result.skipped_objects))}", highlight=False)
+    if check is not None:
+        verdict = "[green]matches the source[/green]" if check.identical else "[red]differs from the source[/red]"
+        console.print(f"check: {verdict} ({', '.join(f'{n} {s}' for s, n in check.counts.items())})")

@@ -12,6 +12,7 @@ from ..ops.repair import repair
 from ..ops.verify import verify
 from ..units import human_bytes
 from .output import CheckpointPath, byte_progress, console, fails_cleanly, print_json
+from .spread import command_team
 
 
 @click.command("verify")
@@ -20,10 +21,14 @@ from .output import CheckpointPath, byte_progress, console, fails_cleanly, print
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @fails_cleanly
 def verify_command(path: str, full: bool, as_json: bool) -> None:
-    """Check layout, files, byte ranges and checksums (exit 0 fine, 1 problems, 2 could not run)."""
-    with byte_progress("verify", 0, enabled=full and not as_json) as progress:
+    """Check layout, files, byte ranges and checksums (exit 0 fine, 1 problems, 2 could not run). Under torchrun,
+    the processes share the work, and rank 0 prints."""
+    with (command_team() as team,
+          byte_progress("verify", 0, enabled=full and not as_json and team.rank == 0) as progress):
         task = progress.add_task("verify", total=None)
-        report = verify(path, full=full, progress=lambda n: progress.advance(task, n))
+        report = verify(path, full=full, progress=lambda n: progress.advance(task, n), team=team)
+    if team.rank != 0:  # every process holds the whole report: the same exit status everywhere
+        sys.exit(0 if report.ok else 1)
     if as_json:
         print_json(report.to_dict())
     else:

@@ -30,7 +30,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -44,11 +44,13 @@ from ..storage import RemotePath, as_path, create_new, is_url, remote_defaults
 from ..storage.retry import with_retries
 from ..tmformat.layout import local_pieces, parse_spec
 from ..tmformat.stream import TensorSpec, write_file
-from ..tmformat.writer import Piece, SaveTransaction
+from ..tmformat.writer import Piece, RankResult, SaveTransaction
 from ..units import parse_size
 from .diff import DiffReport, aligned_names, diff, parse_rename
+from .spread import ALONE, Team, share
 from .stats import check_scannable
 
+T = TypeVar("T")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
 DEFAULT_BLOCK_BYTES = 64 * 1024**2
 DTYPE_ALIASES = {"bf16": "BF16", "fp16": "F16", "f16": "F16", "half": "F16", "fp32": "F32", "f32": "F32",
@@ -116,7 +118,7 @@ def convert(source: str | Path | Checkpoint, destination: str | Path, *, to: str
             rename: Sequence[str] | None = None, mesh: int | str | Sequence[int] = 1,
             placements: Sequence[str] = ("Shard(0)",), redundancy: str | None = None,
             block_bytes: int = DEFAULT_BLOCK_BYTES, check: bool = True,
-            progress: Callable[[int], None] | None = None) -> ConvertResult:
+            progress: Callable[[int], None] | None = None, team: Team = ALONE) -> ConvertResult:
     """Write `source` at `destination` in the `to` format and diff it against the source.
 
     "safetensors": a Hugging Face folder with shards of at most `max_shard_size`; non-tensor entries
@@ -126,7 +128,8 @@ def convert(source: str | Path | Checkpoint, destination: str | Path, *, to: str
     few dimensions for a Shard(d) is replicated along that mesh dimension. `dtype` casts floating-point
     tensors (integers keep theirs); `redundancy` ("rs(4,2)", "replicate:2") adds parity or copies to a
     tensormorph output, as tensormorph.save does; `rename` rules (as for diff, e.g. 'model.=' to drop a wrapper's
-    prefix) give the output names.
+    prefix) give the output names. `team` spreads the writing over processes (ops/spread.py): the files are the
+    single-process run's, each written whole by one process, the index (or manifest) last by rank 0.
     """
     if to not in TARGETS:
         raise CheckpointError(f"cannot convert to {to!r}: supported targets are {', '.join(TARGETS)}")
@@ -159,12 +162,12 @@ def convert(source: str | Path | Checkpoint, destination: str | Path, *, to: str
                     progress(block.nbytes)
 
         if to == "safetensors":
-            result = _to_safetensors(ck, output, specs, blocks, max_shard_size)
+            result = _to_safetensors(ck, output, specs, blocks, max_shard_size, team)
         else:
-            result = _to_tensormorph(ck, output, specs, blocks, mesh_shape, tuple(placements), redundancy)
+            result = _to_tensormorph(ck, output, specs, blocks, mesh_shape, tuple(placements), redundancy, team)
         if check:
             result.check = diff(ck, output, cast=target, objects=False, block_bytes=block_bytes,
-                                rename=[f"a:{r}" for r in rename or ()])
+                                rename=[f"a:{r}" for r in rename or ()], team=team)
         return result
 
 
@@ -202,7 +205,8 @@ def _checked_destination(destination: str | Path) -> Path:
 
 
 def _to_safetensors(ck: Checkpoint, destination: Path | str, specs: list[TensorSpec],
-                    blocks: Callable[[TensorSpec], Iterator[np.ndarray]], max_shard_size: int | str) -> ConvertResult:
+                    blocks: Callable[[TensorSpec], Iterator[np.ndarray]], max_shard_size: int | str,
+                    team: Team) -> ConvertResult:
     limit = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     shards = plan_shards(specs, limit)
     names = (["model.safetensors"] if len(shards) == 1 else
@@ -213,44 +217,65 @@ def _to_safetensors(ck: Checkpoint, destination: Path | str, specs: list[TensorS
         index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
                  "weight_map": {spec.name: name for name, shard in zip(names, shards) for spec in shard}}
     if isinstance(destination, str):
-        written = _upload_safetensors(destination, files, index)
+        written = _upload_safetensors(destination, files, index, team)
         return ConvertResult(destination, names, len(specs), written, skipped_objects=list(ck.objects))
+    # one staging folder for every process: rank 0 names and makes it
+    staging = destination.parent / team.each(partial(_staging, destination, team.rank))[0]
+    try:
+        written = _write_safetensors(staging, files, index, lambda path: None, team)
+        team.each(lambda: _move_into_place(staging, destination) if team.rank == 0 else None)
+    except BaseException:
+        if team.rank == 0:  # every process has stopped writing: each raises only once all have finished a step
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return ConvertResult(destination, names, len(specs), written, skipped_objects=list(ck.objects))
+
+
+def _staging(destination: Path, rank: int) -> str:
+    """Rank 0 makes the folder the output is assembled in, under a new name it returns; other ranks return ''."""
+    if rank != 0:
+        return ""
     staging = destination.parent / f".{destination.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         staging.mkdir()
     except OSError as exc:  # a folder we may not write in
         raise CheckpointError(f"cannot create the output folder: {exc.strerror or exc}", file=str(destination)) \
             from None
-    try:
-        written = _write_safetensors(staging, files, index, lambda path: None)
-        _move_into_place(staging, destination)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return ConvertResult(destination, names, len(specs), written, skipped_objects=list(ck.objects))
+    return staging.name
 
 
 ShardFiles = list[tuple[str, list[tuple[TensorSpec, Iterator[np.ndarray]]]]]  # file name -> (tensor, its blocks)
 
 
 def _write_safetensors(folder: Path, files: ShardFiles, index: dict[str, Any] | None,
-                       done: Callable[[Path], None]) -> int:
-    """Write every shard, then the index (if any), into `folder`, calling `done` with each file once complete;
-    the bytes of tensor data written."""
-    written = 0
-    for name, tensors in files:
-        written += write_file(folder / name, tensors, {"format": "pt"})
-        done(folder / name)
-    if index is not None:
-        with create_new(folder / "model.safetensors.index.json") as f:
-            f.write((json.dumps(index, indent=2) + "\n").encode())
-        done(folder / "model.safetensors.index.json")
+                       done: Callable[[Path], None], team: Team) -> int:
+    """Write every shard (this process: its share of them), then the index (if any; rank 0), into `folder`, calling
+    `done` with each file once complete; the bytes of tensor data written by all processes."""
+    mine = share(team, {name: sum(spec.nbytes for spec, _ in tensors) for name, tensors in files})
+
+    def write_mine() -> int:
+        written = 0
+        for name, tensors in files:
+            if name in mine:
+                written += write_file(folder / name, tensors, {"format": "pt"})
+                done(folder / name)
+        return written
+
+    written = sum(team.each(write_mine))
+    if index is not None:  # once every shard is complete
+        team.each(lambda: _write_index(folder, index, done) if team.rank == 0 else None)
     return written
 
 
-def _upload_safetensors(url: str, files: ShardFiles, index: dict[str, Any] | None) -> int:
+def _write_index(folder: Path, index: dict[str, Any], done: Callable[[Path], None]) -> None:
+    with create_new(folder / "model.safetensors.index.json") as f:
+        f.write((json.dumps(index, indent=2) + "\n").encode())
+    done(folder / "model.safetensors.index.json")
+
+
+def _upload_safetensors(url: str, files: ShardFiles, index: dict[str, Any] | None, team: Team) -> int:
     """The safetensors folder written at URL `url`: each file uploaded once complete (and then deleted locally, so
-    the local disk holds one shard at a time), the index last; on failure what was uploaded is deleted."""
+    the local disk holds one shard at a time), the index last; on failure each process deletes what it uploaded."""
     path = as_path(url, cache=False)
     assert isinstance(path, RemotePath)  # checked by _checked_url
     fs, uploaded = path.remote.fs, []
@@ -264,7 +289,7 @@ def _upload_safetensors(url: str, files: ShardFiles, index: dict[str, Any] | Non
 
     try:
         with tempfile.TemporaryDirectory(prefix="tensormorph-convert-") as folder:
-            return _write_safetensors(Path(folder), files, index, upload)
+            return _write_safetensors(Path(folder), files, index, upload, team)
     except BaseException:
         for key in reversed(uploaded):  # the index (uploaded last) first: no reader finds a partial folder
             with contextlib.suppress(Exception):
@@ -320,8 +345,9 @@ def _plain_objects(ck: Checkpoint) -> tuple[dict[str, Any], list[str]]:
 
 def _to_tensormorph(ck: Checkpoint, destination: Path | str, specs: list[TensorSpec],
                     blocks: Callable[..., Iterator[np.ndarray]], mesh: tuple[int, ...],
-                    placements: tuple[str, ...], redundancy: str | None) -> ConvertResult:
-    """Every rank's file of a save on `mesh`, written in turn by this one process, through one SaveTransaction."""
+                    placements: tuple[str, ...], redundancy: str | None, team: Team) -> ConvertResult:
+    """Every rank's file of a save on `mesh`, through one SaveTransaction: by this one process in turn, or each
+    file by one process of `team` (balanced by bytes), rank 0 preparing and committing."""
     save = SaveTransaction(destination, overwrite=True, redundancy=redundancy,
                            storage_options=remote_defaults().storage_options,
                            extra={"converted_from": {"path": str(ck.path), "format": ck.format}})
@@ -339,21 +365,40 @@ def _to_tensormorph(ck: Checkpoint, destination: Path | str, specs: list[TensorS
                                           tuple(range(len(coordinates))), None, fitted))
     save.plan([p for ps in pieces for p in ps])
     objects, skipped = _plain_objects(ck)
-    if isinstance(destination, Path):
-        _free(destination)
-    save.join(save.prepare())
+    save.join(team.each(partial(_prepare, save, destination, team.rank))[0])
+    chosen = [save.written_by(rank, mine) for rank, mine in enumerate(pieces)]
+    mine = share(team, {rank: sum(p.nbytes for p in c) for rank, c in enumerate(chosen)})
+
+    def write(rank: int) -> RankResult:
+        return save.write_rank(rank, [
+            (p, partial(blocks, TensorSpec(p.name, p.dtype, p.global_shape),
+                        tuple(slice(o, o + n) for o, n in zip(p.offsets, p.shape))))
+            for p in chosen[rank]], {})
+
     try:
-        results = []
-        for rank, mine in enumerate(pieces):
-            chosen = save.written_by(rank, mine)
-            results.append(save.write_rank(rank, [
-                (p, partial(blocks, TensorSpec(p.name, p.dtype, p.global_shape),
-                            tuple(slice(o, o + n) for o, n in zip(p.offsets, p.shape))))
-                for p in chosen], {}))
+        results = _by_rank(team.each(lambda: {rank: write(rank) for rank in range(len(chosen)) if rank in mine}))
         sizes = [result.written.size for result in results]
-        extras = [save.write_redundancy(rank, sizes) for rank in range(len(results))]
-        manifest = save.commit(results, extras, objects)
+        extras = _by_rank(team.each(lambda: {rank: save.write_redundancy(rank, sizes)
+                                             for rank in range(len(results)) if rank in mine}))
+        manifest = team.each(lambda: save.commit(results, extras, objects) if team.rank == 0 else None)[0]
+        assert manifest is not None  # rank 0 committed
     except BaseException:
-        save.remove()
+        if team.rank == 0:  # every process has stopped writing (see _to_safetensors)
+            save.remove()
         raise
     return ConvertResult(destination, sorted(manifest.files), len(specs), sum(sizes), skipped_objects=skipped)
+
+
+def _prepare(save: SaveTransaction, destination: Path | str, rank: int) -> str:
+    """Rank 0 takes the destination's name and starts the save, returning the token the others join with."""
+    if rank != 0:
+        return ""
+    if isinstance(destination, Path):
+        _free(destination)
+    return save.prepare()
+
+
+def _by_rank(parts: list[dict[int, T]]) -> list[T]:
+    """The values of every process's {mesh rank: value}, in mesh rank order."""
+    merged = {rank: value for part in parts for rank, value in part.items()}
+    return [merged[rank] for rank in range(len(merged))]

@@ -28,6 +28,7 @@ from ..errors import CheckpointError
 from ..formats import opened
 from ..geometry import split_box
 from .object_diff import ObjectDiff, compare_objects
+from .spread import ALONE, Team, share
 from .stats import check_scannable
 
 DEFAULT_BLOCK_BYTES = 64 * 1024**2
@@ -154,7 +155,7 @@ def diff(a: str | Path | Checkpoint, b: str | Path | Checkpoint, *, atol: float 
          names: Sequence[str] | None = None, rename: Sequence[str] | None = None, cast: str | None = None,
          objects: bool = True, common_only: bool = False, block_bytes: int | None = None,
          threads: int = 2, progress: Callable[[int], None] | None = None, transpose: Sequence[str] | None = None,
-         rules: str | Sequence[Any] | None = None) -> DiffReport:
+         rules: str | Sequence[Any] | None = None, team: Team = ALONE) -> DiffReport:
     """Compare the logical tensors (and non-tensor entries) of two checkpoints.
 
     `names` limits the comparison to these aligned names; `rename` holds rules applied to the
@@ -168,7 +169,8 @@ def diff(a: str | Path | Checkpoint, b: str | Path | Checkpoint, *, atol: float 
     `progress` receives the number of bytes of side b compared so far, in increments.
     `rules` (a rule set: 'flax-torch', a JSON rule file, or parsed rules), then `rename`, then `transpose` (rules
     that permute side a's tensors whose aligned name matches: 're:.*kernel$' swaps 2-D ones) align the two sides
-    (ops/rules.py).
+    (ops/rules.py). `team` spreads the tensors over processes (ops/spread.py): each compares its share, and every
+    process returns the whole report.
     """
     name_rules, steps = [parse_rename(r) for r in rename or ()], None
     if transpose or rules:  # each side seen through the rules (ops.rules builds on this module's rename rules)
@@ -179,7 +181,7 @@ def diff(a: str | Path | Checkpoint, b: str | Path | Checkpoint, *, atol: float 
         if steps is not None:
             ck_a, ck_b = aligned_view(ck_a, steps, "a"), aligned_view(ck_b, steps, "b")
         report = _diff(ck_a, ck_b, name_rules, atol=atol, rtol=rtol, names=names, cast=cast, objects=objects,
-                       block_bytes=block_bytes, threads=threads, progress=progress)
+                       block_bytes=block_bytes, threads=threads, progress=progress, team=team)
     if steps is not None:
         report.renames = [step.text for step in steps]
     if common_only:
@@ -190,7 +192,7 @@ def diff(a: str | Path | Checkpoint, b: str | Path | Checkpoint, *, atol: float 
 
 def _diff(ck_a: Checkpoint, ck_b: Checkpoint, rules: list[NameRule], *, atol: float, rtol: float,
           names: Sequence[str] | None, cast: str | None, objects: bool, block_bytes: int | None, threads: int,
-          progress: Callable[[int], None] | None) -> DiffReport:
+          progress: Callable[[int], None] | None, team: Team) -> DiffReport:
     map_a, map_b = aligned_names(list(ck_a), rules, "a"), aligned_names(list(ck_b), rules, "b")
     wanted = list(dict.fromkeys([*map_a, *map_b])) if names is None else list(names)
     report = DiffReport(str(ck_a.path), str(ck_b.path), atol, rtol, [r.text for r in rules])
@@ -204,13 +206,28 @@ def _diff(ck_a: Checkpoint, ck_b: Checkpoint, rules: list[NameRule], *, atol: fl
         return compare_tensors(name, ta, tb, atol=atol, rtol=rtol, cast=cast, block_bytes=block_bytes,
                                progress=progress, read_ahead=REMOTE_BLOCKS_AHEAD if remote else 0)
 
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        report.tensors = list(pool.map(compare, wanted))
-    report.tensors.sort(key=_severity)
-    if objects and names is None:
-        report.objects = compare_objects(ck_a, ck_b, aligned_names(list(ck_a.objects), rules, "a"),
-                                         aligned_names(list(ck_b.objects), rules, "b"))
+    mine = share(team, {name: _work(ck_a, map_a.get(name), ck_b, map_b.get(name)) for name in wanted})
+
+    def compare_share() -> tuple[list[TensorDiff], list[ObjectDiff]]:
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            tensors = list(pool.map(compare, [name for name in wanted if name in mine]))
+        if not objects or names is not None or team.rank != 0:
+            return tensors, []
+        return tensors, compare_objects(ck_a, ck_b, aligned_names(list(ck_a.objects), rules, "a"),
+                                        aligned_names(list(ck_b.objects), rules, "b"))
+
+    parts = team.each(compare_share)
+    report.tensors = sorted((t for tensors, _ in parts for t in tensors), key=_severity)
+    report.objects = [o for _, found in parts for o in found]
     return report
+
+
+def _work(ck_a: Checkpoint, name_a: str | None, ck_b: Checkpoint, name_b: str | None) -> int:
+    """The bytes comparing a tensor reads: none when one side lacks it or the shapes differ."""
+    if name_a is None or name_b is None:
+        return 0
+    a, b = ck_a[name_a], ck_b[name_b]
+    return a.nbytes + b.nbytes if a.shape == b.shape else 0
 
 
 def _severity(t: TensorDiff) -> tuple:
@@ -380,10 +397,10 @@ class _NumericAccumulator:
         finite = np.isfinite(x) & np.isfinite(y)
         if finite.any():
             fx, fy, fd = x[finite], y[finite], delta[finite]
-            self.diff_sq += float(np.dot(fd, fd))
-            self.a_sq += float(np.dot(fx, fx))
-            self.b_sq += float(np.dot(fy, fy))
-            self.dot += float(np.dot(fx, fy))
+            self.diff_sq += _dot(fd, fd)
+            self.a_sq += _dot(fx, fx)
+            self.b_sq += _dot(fy, fy)
+            self.dot += _dot(fx, fy)
             with np.errstate(divide="ignore", invalid="ignore"):
                 relative = np.where(fd == 0, 0.0, fd / np.abs(fy))
             self.max_rel = max(self.max_rel, float(relative.max()))
@@ -394,10 +411,10 @@ class _NumericAccumulator:
         delta = np.subtract(x, y)
         np.abs(delta, out=delta)
         magnitude = np.abs(y)
-        self.diff_sq += float(np.dot(delta, delta))
-        self.a_sq += float(np.dot(x, x))
-        self.b_sq += float(np.dot(y, y))
-        self.dot += float(np.dot(x, y))
+        self.diff_sq += _dot(delta, delta)
+        self.a_sq += _dot(x, x)
+        self.b_sq += _dot(y, y)
+        self.dot += _dot(x, y)
         if self.rtol:
             tolerance = magnitude * self.rtol
             tolerance += self.atol
@@ -440,6 +457,13 @@ class _NumericAccumulator:
             "worst_a": worst[2] if worst and worst[0] > 0 else None,
             "worst_b": worst[3] if worst and worst[0] > 0 else None,
         }
+
+
+def _dot(x: np.ndarray, y: np.ndarray) -> float:
+    """x · y, summed the same way whatever the thread count: np.dot goes to a BLAS whose threads split the sum
+    differently (the last bits of the figures would change with OMP_NUM_THREADS, e.g. under torchrun); einsum's
+    own loop runs as fast on one core."""
+    return float(np.einsum("i,i->", x, y))
 
 
 def _as_float64(values: np.ndarray) -> np.ndarray:
