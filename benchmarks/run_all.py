@@ -38,6 +38,7 @@ BENCHMARKS = [
     ("bench_jax", "jax"),
     ("bench_history", "history"),
     ("bench_measure", "measure"),
+    ("bench_offline", "offline"),
 ]
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 README = REPO / "README.md"
