@@ -179,3 +179,16 @@ def test_a_real_save_of_the_seed_still_reads_after_a_round_trip(dcp_seed: Path, 
     with tm.open(folder, "dcp") as ck:
         assert np.array_equal(ck["w"].full(), np.arange(24, dtype=np.float32).reshape(4, 6))
         assert ck.objects["step"].value() == 7
+
+
+def test_without_limits_the_child_reads_nothing_and_the_file_is_read_in_process(
+        wide_dcp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the child cannot set its limits (macOS has no RLIMIT_AS; here one too large for the platform), it
+    refuses to unpickle, and the reader falls back to the in-process unpickler."""
+    blob = (wide_dcp / ".metadata").read_bytes()
+    monkeypatch.setattr(dcp_metadata, "CHILD_MEMORY", 2**70)
+    monkeypatch.setattr(dcp_metadata, "CHILD_MEMORY_PER_BYTE", 0)
+    with pytest.raises(dcp_metadata.LimitsUnavailable):
+        dcp_metadata.summary_in_child(blob, "ckpt/.metadata")
+    with tm.open(wide_dcp, "dcp") as ck:
+        assert len(ck.tensors) == 6000 and ck.objects["step"].value() == 11

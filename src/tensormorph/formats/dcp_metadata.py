@@ -106,9 +106,13 @@ def read_summary(files: ByteStore, name: str) -> dict[str, Any]:
     if size >= CHILD_FROM_BYTES:
         try:
             return summary_in_child(data, where)
-        except OSError:  # no interpreter to start (an embedded Python): read it here, more slowly
+        except (OSError, LimitsUnavailable):  # no interpreter to start, or no limits to run it under: read it here
             pass
     return summary_in_process(data, where)
+
+
+class LimitsUnavailable(Exception):
+    """The child could not set its CPU and memory limits (a platform without them), so it did not read the file."""
 
 
 def summary_in_process(data: bytes, where: str) -> dict[str, Any]:
@@ -146,6 +150,8 @@ def summary_in_child(data: bytes, where: str) -> dict[str, Any]:
         return answer["summary"]
     if answer.get("unsafe"):
         raise safe_pickle.refused(*answer["unsafe"], file=where)
+    if answer["error"] == "limits":
+        raise LimitsUnavailable(where)
     if answer["error"] == "memory":
         raise HeaderError(f"reading it needs more than {memory} bytes of memory, the limit for a pickle of "
                           f"{len(data)} bytes (a forged memo index or length?)", file=where)

@@ -29,7 +29,7 @@ def read_pieces(fd: int, pieces: Sequence[tuple[int, memoryview]],
                 read_one: Callable[[int, int, memoryview], None]) -> None:
     """Fill each (offset, target) piece with `read_one(fd, offset, target)`, having queued the reads of them all
     first when they are scattered."""
-    if len(pieces) > MIN_GAPS and _gaps(pieces) >= MIN_GAPS:
+    if hasattr(os, "posix_fadvise") and len(pieces) > MIN_GAPS and _gaps(pieces) >= MIN_GAPS:  # not on macOS
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead around each piece: only their pages
         for offset, target in pieces:
             os.posix_fadvise(fd, offset, len(target), os.POSIX_FADV_WILLNEED)
