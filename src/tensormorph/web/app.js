@@ -6,7 +6,7 @@
 // checkpoint adds a history entry; zooming, panning and colours update the current one, so Back and
 // Forward step through what the user opened. The query string is left to the server (?token=...).
 
-import { ApiError, getJSON } from './api.js';
+import { ApiError, forgetEarly, getJSON } from './api.js';
 import { DiffView, statusLabel } from './diff.js';
 import { Finder } from './find.js';
 import { bytes, el, int, midName, shape as fmtShape } from './format.js';
@@ -19,7 +19,7 @@ import { RunPanel } from './run.js';
 import { copyText } from './share.js';
 import { diffSource, localShape, tensorSource } from './sources.js';
 import { Timeline, layerTensor } from './timeline.js';
-import { TreeView } from './tree.js';
+import { TreeView, largestTensors } from './tree.js';
 
 const $ = (id) => document.getElementById(id);
 
@@ -243,7 +243,7 @@ function welcome() {
   }
   const summary = state.summaries[state.active];
   if (!summary) return;
-  const largest = [...summary.tensors].sort((x, y) => y.nbytes - x.nbytes).slice(0, 8);
+  const largest = largestTensors(summary.tensors, 8);
   box.replaceChildren(el('div', { class: 'welcome' }, el('h3', {}, 'Pick a tensor on the left, or one of the largest:'),
     ...largest.map((t) => el('button', { type: 'button', onclick: () => selectTensor(t.name) },
       midName(t.name), el('span', { class: 'muted' }, `${fmtShape(t.shape)} · ${bytes(t.nbytes)}`)))));
@@ -478,6 +478,7 @@ async function boot() {
   }
   updateShareTitles();
   await applyRoute();
+  forgetEarly();
   document.body.dataset.ready = '1';
   resolveReady(state);
 }

@@ -67,6 +67,19 @@ export function compileQuery(query, dtypesPresent) {
   return (t) => tests.every((test) => test(t));
 }
 
+/** The k largest tensors, largest first, ties in checkpoint order (a stable sort's first k, without sorting 20,000). */
+export function largestTensors(tensors, k) {
+  const top = [];
+  for (const t of tensors) {
+    if (top.length === k && t.nbytes <= top[k - 1].nbytes) continue;
+    let i = top.length;
+    while (i > 0 && top[i - 1].nbytes < t.nbytes) i--;
+    top.splice(i, 0, t);
+    if (top.length > k) top.pop();
+  }
+  return top;
+}
+
 /**
  * Rows whose badges do not fit beside the name take their short forms (S, F). In the tree they stay whole,
  * the (short) name giving way; in the flat list the long name keeps its room. All sizes are read before
