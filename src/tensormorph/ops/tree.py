@@ -14,7 +14,7 @@ from ..core import LogicalTensor
 from ..dtypes import itemsize
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slotted: a 20,000-tensor checkpoint makes about 40,000 nodes
 class ModuleNode:
     name: str  # this node's own segment ("0..31" for a folded run)
     path: str  # dotted path from the root ("layers.0" for the first of a folded run)
@@ -68,12 +68,16 @@ def _summarise(node: ModuleNode, shapes: dict[tuple, int]) -> None:
         # one chunk is one file: the set is built only for the tensors split over several
         node.multi_file = node.placement_sharded and len({c.file for c in t.chunks if c.file is not None}) > 1
         own = (t.shape, t.dtype)
-    for child in node.children.values():
+    children = node.children
+    for child in children.values():
         _summarise(child, shapes)
         _absorb(node, child)
     # sorted: formats list tensors in different orders (DCP sorts its fqns as text), and the order of a
-    # layer's parameters must not decide whether two layers look alike
-    key = (own, tuple(sorted((name, child.shape_id) for name, child in node.children.items())))
+    # layer's parameters must not decide whether two layers look alike (one child or none: nothing to sort)
+    if len(children) > 1:
+        key = (own, tuple(sorted((name, child.shape_id) for name, child in children.items())))
+    else:
+        key = (own, tuple((name, child.shape_id) for name, child in children.items()))
     node.shape_id = shapes.setdefault(key, len(shapes))
 
 
@@ -101,10 +105,11 @@ def _numbers_in_order(children: dict[str, ModuleNode]) -> list[tuple[str, Module
 
 
 def _fold(node: ModuleNode) -> None:
-    if not node.children:
-        return
     for child in node.children.values():
         _fold(child)
+    numbered = sum(1 for key in node.children if key.isdigit())
+    if numbered < 2:  # a run is two or more numbered siblings: nothing here folds (most nodes)
+        return
     folded: dict[str, ModuleNode] = {}
     run: list[ModuleNode] = []
 
