@@ -135,7 +135,7 @@ def _dtype(properties: Any, budget: _Budget) -> str | None:
 
 def _entry(fqn: Any, entry: Any, budget: _Budget) -> list[Any]:
     if not isinstance(fqn, str):
-        raise Malformed(f"state_dict_metadata key {fqn!r} is not a string")
+        raise Malformed(f"state_dict_metadata key {_kind(fqn)} is not a string")
     kind = _kind(entry)
     if kind != TENSOR_ENTRY:
         budget.charge(_text_units(fqn))
@@ -156,10 +156,13 @@ def _storage(index: Any, info: Any, budget: _Budget) -> list[Any]:
         raise Malformed(f"storage_data key {_kind(index)} is not a MetadataIndex")
     offset = getattr(index, "offset", None)
     relative = _field(info, "relative_path", str)
+    if relative is None:
+        raise Malformed("_StorageInfo.relative_path should be a string, found None", tensor=fqn)
     transforms = _field(info, "transform_descriptors", (list, tuple), default=None) or ()
     if not all(isinstance(t, str) for t in transforms):
-        raise Malformed(f"transform_descriptors should be strings, found {transforms!r}")
-    budget.charge(_text_units(fqn) + _text_units(relative or "") + len(transforms))
+        raise Malformed(f"transform_descriptors should be strings, found {len(transforms)} values of which "
+                        f"some are not", tensor=fqn)
+    budget.charge(_text_units(fqn) + _text_units(relative) + len(transforms))
     return [fqn, None if offset is None else _numbers(offset, budget), relative,
             _field(info, "offset", int), _field(info, "length", int), list(transforms)]
 
