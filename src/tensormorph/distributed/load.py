@@ -6,6 +6,8 @@ BoxReader (local or remote), from any other format through its logical tensors' 
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -24,9 +26,10 @@ from ..geometry import Box
 from ..ops.rules import as_targets, rule_list
 from ..storage import LocalFiles, RemoteFiles, is_url, local_path
 from ..tmformat.checkpoint import is_checkpoint_folder, read_manifest, root_of
+from ..tmformat.manifest import gc_paused
 from ..tmformat.reader import BoxReader
 from ..torch_arrays import as_numpy, to_torch, vocabulary
-from .state import Layout, Leaves, dtensor_types, flatten, held_pieces
+from .state import Layout, Leaves, Memo, dtensor_types, flatten, held_pieces
 
 READ_THREADS = 8
 
@@ -84,6 +87,13 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *, strict: bool = 
     unexpected checkpoint name is shown with its aligned name, 'params.x.kernel (as x.weight)'.
     """
     del process_group  # loading needs no collectives: every rank reads its own boxes
+    with gc_paused():  # tens of thousands of records, no cycles among them: the collector would rescan them
+        return _load(path, state_dict, strict, verify, cast, storage_options, rules, rename, transpose)
+
+
+def _load(path: str | os.PathLike, state_dict: dict[str, Any], strict: bool, verify: bool, cast: bool,
+          storage_options: dict[str, Any] | None, rules: str | Sequence[Any] | None, rename: Sequence[str] | None,
+          transpose: Sequence[str] | None) -> LoadReport:
     started = time.perf_counter()
     leaves = flatten(state_dict)
     steps = rule_list(rules, rename, transpose) if rules or rename or transpose else None
@@ -109,13 +119,25 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *, strict: bool = 
                                      unexpected=report.unexpected, mismatched=report.mismatched)
         dtensor = dtensor_types()
         jobs = []
-        for name in work:
-            held, layout = held_pieces(name, leaves.tensors[name], dtensor)
-            for part in held:
-                jobs.append(_Job(name, part.box, part.data, _wanted(name, layout, part.contribution, source)))
-                report.bytes_needed += int(np.prod(part.box[1])) * dtypes.itemsize(stored[name][0])
+        memo: Memo = {}
+        with torch.no_grad():  # DTensor.to_local is then a plain attribute read, not an autograd call per tensor
+            for name in work:
+                held, layout = held_pieces(name, leaves.tensors[name], dtensor, memo)
+                for part in held:
+                    jobs.append(_Job(name, part.box, part.data, _wanted(name, layout, part.contribution, source)))
+                    report.bytes_needed += math.prod(part.box[1]) * dtypes.itemsize(stored[name][0])
+        tasks: list[Callable[[], None]] = []
+        if isinstance(source, BoxReader):  # boxes that are small whole chunks: a few coalesced reads
+            direct = [k for k, job in enumerate(jobs) if _in_place(job, stored[job.name][0])]
+            batches, others = source.whole_chunk_reads(
+                [(jobs[k].name, jobs[k].box, as_numpy(jobs[k].local.detach(), stored[jobs[k].name][0]),
+                  _contribution(jobs[k])) for k in direct])
+            tasks += [functools.partial(source.read_whole, batch) for batch in batches]
+            coalesced = set(direct) - {direct[k] for k in others}
+            jobs = [job for k, job in enumerate(jobs) if k not in coalesced]
+        tasks += [functools.partial(_fill, job, stored[job.name][0], source) for job in jobs]
         with ThreadPoolExecutor(READ_THREADS) as pool:
-            list(pool.map(lambda job: _fill(job, stored[job.name][0], source), jobs))
+            list(pool.map(lambda task: task(), tasks))
         report.tensors_loaded = len(work)
         for name, (container, key) in leaves.slots.items():
             if name in objects and not isinstance(container, tuple):
@@ -217,6 +239,18 @@ def _wanted(name: str, layout: Layout, contribution: int, source: BoxReader | Ch
     return "identity" if layout.reduce_op == "sum" and contribution else "value"
 
 
+def _contribution(job: _Job) -> int | None:
+    """The one contribution a job reads as stored, or None for the reduced value."""
+    return job.wanted if isinstance(job.wanted, int) else None
+
+
+def _in_place(job: _Job, stored_dtype: str) -> bool:
+    """Whether a job reads its stored bytes straight into its local tensor's memory (see _fill)."""
+    local = job.local
+    return (job.wanted != "identity" and local.device.type == "cpu" and local.is_contiguous()
+            and vocabulary(local.dtype) == stored_dtype)
+
+
 def _fill(job: _Job, stored_dtype: str, source: BoxReader | Checkpoint) -> None:
     """Read one box into its local tensor: in place when the tensor's memory can take the bytes directly."""
     name, box, local = job.name, job.box, job.local
@@ -224,11 +258,11 @@ def _fill(job: _Job, stored_dtype: str, source: BoxReader | Checkpoint) -> None:
         with torch.no_grad():
             local.fill_(-0.0)
         return
-    contribution = job.wanted if isinstance(job.wanted, int) else None
+    contribution = _contribution(job)
     if isinstance(source, Checkpoint):
         index = tuple(slice(o, o + n) for o, n in zip(*box))
         data = source[name].read(index, budget=max(1, int(np.prod(box[1])) * dtypes.itemsize(stored_dtype)))
-    elif local.device.type == "cpu" and local.is_contiguous() and vocabulary(local.dtype) == stored_dtype:
+    elif _in_place(job, stored_dtype):
         source.read_box(name, box, as_numpy(local.detach(), stored_dtype), contribution)
         return
     else:

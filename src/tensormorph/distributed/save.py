@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-from ..tmformat.manifest import decode_value, encode_value
+from ..tmformat.manifest import decode_value, encode_value, gc_paused
 from ..tmformat.writer import Blocks, Piece, RankResult, SaveTransaction
 from ..torch_arrays import as_numpy, cpu_contiguous, vocabulary
 from .collective import Collective, failures
-from .state import dtensor_types, flatten, held_pieces
+from .state import Memo, dtensor_types, flatten, held_pieces
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,12 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     `redundancy="rs(4,2)"` adds Reed-Solomon parity over stripes of 4 rank files (any 2 of each 6
     may be lost); `"replicate:2"` stores a second copy of each rank's file, written by a peer rank.
     """
+    with gc_paused():  # tens of thousands of records, no cycles among them: the collector would rescan them
+        return _save(state_dict, path, process_group, overwrite, storage_options, extra, redundancy)
+
+
+def _save(state_dict: dict[str, Any], path: str | os.PathLike[str], process_group: Any, overwrite: bool,
+          storage_options: dict[str, Any] | None, extra: dict[str, Any] | None, redundancy: str | None) -> SaveReport:
     started = time.perf_counter()
     group = Collective(process_group)
     # every rank makes its own transaction; a rank that cannot (a bad redundancy spelling, an unreachable
@@ -56,14 +62,18 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     leaves = flatten(state_dict)
     dtensor = dtensor_types()
     pieces, local_data = [], {}
-    for name, tensor in leaves.tensors.items():
-        held, layout = held_pieces(name, tensor, dtensor)
-        for part in held:
-            piece = Piece(name, vocabulary(tensor.dtype), tuple(tensor.shape), part.box[0], part.box[1], group.rank,
-                          layout.mesh, layout.mesh_ranks, layout.mesh_dim_names, layout.placements, part.contribution)
-            pieces.append(piece)
-            local_data[piece.key] = part.data
-    everyone = [p for ps in group.gather(pieces) for p in ps]
+    memo: Memo = {}
+    with torch.no_grad():  # DTensor.to_local is then a plain attribute read, not an autograd call per tensor
+        for name, tensor in leaves.tensors.items():
+            held, layout = held_pieces(name, tensor, dtensor, memo)
+            for part in held:
+                piece = Piece(name, vocabulary(tensor.dtype), tuple(tensor.shape), part.box[0], part.box[1],
+                              group.rank, layout.mesh, layout.mesh_ranks, layout.mesh_dim_names, layout.placements,
+                              part.contribution)
+                pieces.append(piece)
+                local_data[piece.key] = part.data
+    # sent as plain tuples: pickling 20,000 dataclass instances per rank costs seconds, tuples a fraction of that
+    everyone = [Piece(*fields) for ps in group.gather([p.fields() for p in pieces]) for fields in ps]
 
     # rank 0 plans and prepares the destination; the others learn its token, or its error
     def prepare() -> str:

@@ -16,6 +16,7 @@ to the rank's current local piece:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -24,9 +25,10 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from .. import dtypes
 from ..errors import CheckpointError
 from ..geometry import Box, shard_range
-from ..reduction import REDUCE_OPS
+from ..reduction import REDUCE_OPS, check_reducible
 
 SHARD_PATTERN = re.compile(r"^S(?:hard)?\((-?\d+)\)$")
 _STRIDED = re.compile(r"^_S(?:tridedShard)?\((?:dim=)?(-?\d+),(?:sf=|split_factor=)?(\d+)\)$")
@@ -36,6 +38,7 @@ MAX_LOCAL_PIECES = 4096
 """Most boxes one rank's local tensor may be made of. Nested `_StridedShard`s multiply their split factors,
 and a manifest chooses them: without a bound, one tensor could ask for billions of boxes."""
 BoxKey = TypeVar("BoxKey", bound=Hashable)  # whatever names a stored box
+_NOT_PARTIAL = frozenset({"Shard(0)", "Shard(1)", "Replicate()"})  # the usual spellings that hold no reduce op
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,12 @@ class Spec:
         return f"Partial({self.op})" if self.kind == "partial" else "Replicate()"
 
 
+LAYOUT_CACHE = 1024  # distinct (placements, mesh, ndim, dtype) whose check checked_contributions remembers
+SPEC_CACHE = 4096  # distinct (placement text, ndim) pairs remembered: a state has a handful, a manifest may spell
+# millions (each parse is then merely not remembered)
+
+
+@functools.lru_cache(maxsize=SPEC_CACHE)
 def parse_spec(text: str, ndim: int | None = None) -> Spec:
     """A placement's text ('Shard(0)', 'S(0)', 'Replicate()', 'Partial(sum)', '_StridedShard(0, sf=2)'), its
     dimension checked against a tensor of `ndim` dimensions when given."""
@@ -204,11 +213,28 @@ def contribution_of(mesh_shape: Sequence[int], placements: Sequence[str],
 
 def reduce_op(placements: Sequence[str], tensor: str | None = None) -> str | None:
     """The reduce op of the Partial placements (None without any); one op for all of them."""
+    placements = tuple(placements)
+    if all(p in _NOT_PARTIAL for p in placements):  # asked for every chunk of every tensor: the common answer, fast
+        return None
     ops = {spec.op for spec in (parse_spec(p) for p in placements) if spec.kind == "partial"}
     if len(ops) > 1:
         raise CheckpointError(f"placements {list(placements)} mix reduce ops {sorted(o or '' for o in ops)}: the "
                               "order of such a reduction is not defined", tensor=tensor)
     return ops.pop() if ops else None
+
+
+@functools.lru_cache(maxsize=LAYOUT_CACHE)
+def checked_contributions(placements: tuple[str, ...], mesh: tuple[int, ...], ndim: int, dtype: str) -> int:
+    """How many contributions `placements` on `mesh` make, each placement checked against a tensor of `ndim`
+    dimensions and the reduce op against `dtype` (CheckpointError when they do not fit). Remembered: the tensors
+    of a manifest share a few layouts."""
+    for placement in placements:
+        parse_spec(placement, ndim)
+    op = reduce_op(placements)
+    if op is None:
+        return 1
+    check_reducible(op, dtypes.numpy_dtype(dtype))
+    return contribution_of(mesh, placements, (0,) * len(mesh))[1]
 
 
 def partial_mesh_dims(placements: Sequence[str]) -> tuple[int, ...]:

@@ -9,10 +9,12 @@ last, so a reader never takes a half-written save for a valid one.
 from __future__ import annotations
 
 import base64
+import contextlib
 import gc
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -21,9 +23,9 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import CheckpointError, ChecksumError, HeaderError, UnsupportedError
-from ..reduction import Reduction, check_reducible
-from .checksums import CHECKSUM_BLOCK
-from .layout import contribution_of, parse_spec, partial_mesh_dims, reduce_op
+from ..reduction import Reduction
+from .checksums import CHECKSUM_BLOCK, pack_crcs, unpack_crcs
+from .layout import checked_contributions, contribution_of, partial_mesh_dims, reduce_op
 from .parity import MAX_SEGMENT, MAX_STEP_BYTES, parse_scheme
 
 FORMAT = "tensormorph"
@@ -47,6 +49,7 @@ Manifest.to_bytes refuses to write a manifest over either limit, so no save comm
 MAX_MESH_DIMS = 64  # more mesh dimensions than any run has (numpy's own limit on array dimensions)
 _STRUCTURE = b",[{:"  # a JSON value is the first in its container or follows a comma; each key precedes a colon
 _TEXT_PIECE = 1 << 24  # characters of the canonical text encoded at a time when checksumming it
+_DIM_LIMIT = 2**62  # largest dimension or offset + 1 a manifest may give
 
 
 def rank_file(rank: int) -> str:
@@ -154,10 +157,9 @@ class Manifest:
         }
         if self.redundancy is not None:
             body["redundancy"] = self.redundancy.to_json()
-        text = json.dumps(body, separators=(",", ":"), allow_nan=False)
-        # the manifest carries its own checksum, over the canonical text before it
-        raw = json.dumps({"manifest_crc32c": f"{crc32c.crc32c(text.encode()):08x}", "body": json.loads(text)},
-                         separators=(",", ":"), allow_nan=False).encode()
+        text = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+        # its own checksum, over the canonical text of the body, which follows verbatim (parse checksums it in place)
+        raw = b'{"manifest_crc32c":"%08x","body":%b}' % (crc32c.crc32c(text), text)
         check_readable(raw, sum(len(t.chunks) for t in self.tensors.values()))
         return raw
 
@@ -222,16 +224,6 @@ def _hashable(key: Any) -> Any:
 
 # ---- reading ------------------------------------------------------------------------------------------
 
-def pack_crcs(values: Any) -> str:
-    """Block checksums as base64 of big-endian uint32s (compact: a 1 TiB checkpoint has 16 M blocks)."""
-    return base64.b64encode(np.asarray(values, dtype=">u4").tobytes()).decode()
-
-
-def unpack_crcs(text: str) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(text, validate=True), dtype=">u4").astype(np.uint32)
-
-
-
 class _NonFinite(ValueError):
     """A NaN or infinite number in a manifest: no saver writes one."""
 
@@ -284,12 +276,17 @@ def parse(raw: bytes, where: str) -> Manifest:
     Its size and its number of JSON values are bounded (MAX_MANIFEST_BYTES, MAX_MANIFEST_VALUES) before it is
     parsed, so a hostile manifest cannot make the parser build gigabytes of small objects.
     """
-    # Millions of fresh containers make the cyclic collector rescan them again and again (the largest
-    # manifest allowed parses 5-8x slower with it on); parsed JSON holds no cycles to collect.
+    with gc_paused():  # the largest manifest allowed parses 5-8x slower with the collector on
+        return _parse(raw, where)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic collector off for a bulk step: it would rescan millions of fresh records, which hold no cycles."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _parse(raw, where)
+        yield
     finally:
         if enabled:
             gc.enable()
@@ -438,14 +435,9 @@ def _tensor(name: str, info: Any, files: dict[str, FileRecord], where: str) -> T
     record = TensorRecord(dtype, shape, tuple(chunks), mesh_shape, _shape(mesh.get("ranks", []), where, name),
                           tuple(names) if isinstance(names, list) else None, tuple(placements))
     try:
-        for placement in placements:
-            parse_spec(placement, len(shape))
-        reduction = record.reduction
-        if reduction is not None:
-            check_reducible(reduction.op, dtypes.numpy_dtype(dtype), name)
+        count = checked_contributions(record.placements or (), mesh_shape, len(shape), dtype)
     except CheckpointError as exc:
         raise HeaderError(exc.reason, file=where, tensor=name) from None
-    count = reduction.contributions if reduction else 1
     stray = next((c for c in chunks if c.contribution >= count), None)
     if stray is not None:
         _fail(f"chunk at offsets {list(stray.offsets)} is contribution {stray.contribution}, but the placements "
@@ -464,7 +456,7 @@ def _dict(value: Any, what: str, where: str, name: str | None = None) -> dict:
 
 
 def _int(value: Any, what: str, where: str, minimum: int = 0) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    if type(value) is not int or value < minimum:  # JSON makes no int subclasses but bool, which is refused
         raise HeaderError(f"{what} must be an integer >= {minimum}, found {_brief(value)}", file=where)
     return value
 
@@ -476,11 +468,20 @@ def _hex(value: Any, what: str, where: str) -> int:
 
 
 def _shape(value: Any, where: str, name: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62
-                                              for v in value):
+    if not _dims(value):
         raise HeaderError(f"expected a list of non-negative integers, found {_brief(value)}", file=where,
                           tensor=name)
     return tuple(value)
+
+
+def _dims(value: Any) -> bool:
+    """A list of integers in [0, 2**62), bools refused: a loop, 2x all() over a generator (3 fields a chunk)."""
+    if type(value) is not list:
+        return False
+    for v in value:  # noqa: SIM110 (a loop: all() over a generator takes twice as long)
+        if type(v) is not int or not 0 <= v < _DIM_LIMIT:
+            return False
+    return True
 
 
 def _pair(value: Any, where: str, name: str) -> tuple[Any, Any]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import crc32c
 import numpy as np
@@ -26,22 +28,58 @@ from ..storage import ByteStore
 from ..tiling import LayoutOnly
 from .checksums import verify_blocks
 from .integrity import file_crc32c
-from .manifest import ChunkRecord, FileRecord, Manifest
+from .manifest import ChunkRecord, FileRecord, Manifest, TensorRecord
 from .placement_check import checked_chunks
 from .recovery import all_files, group_of, recover
+
+SMALL_CHUNK = 1 << 20  # chunks up to this size are read in coalesced runs; larger ones straight into place
+COALESCE_BYTES = 8 << 20  # most bytes one coalesced read gathers: each reading thread stages this much
+EXACT_SCAN = 8  # a contribution of up to this many chunks is scanned for a box; more are looked up by their box
+
+BoxRequest = tuple[str, Box, np.ndarray, int | None]  # (tensor, box, destination, contribution) as for read_box
+
+
+@dataclass(frozen=True)
+class WholeChunk:
+    """A box that is one stored chunk exactly, and the bytes of its (C-contiguous) destination."""
+
+    name: str
+    chunk: ChunkRecord
+    out: memoryview
+
+
+def _geometry(record: TensorRecord) -> str:
+    """What checked_chunks decides on, as text (a str hash is randomised; a file chooses its tuples' hashes)."""
+    return repr((record.shape, record.mesh, record.mesh_ranks, record.placements,
+                 [(c.offsets, c.shape, c.contribution, c.holders, c.rank) for c in record.chunks]))
+
+
+def _no_gaps(gaps: list[tuple[int, int]]) -> list[bytes]:
+    assert not gaps, "a whole chunk's blocks are all held"
+    return []
+
+
+def _damaged(begin: int, end: int, found: int, recorded: int) -> CheckpointError:
+    return ChecksumError(f"bytes [{begin}, {end}) have CRC-32C {found:08x}, not {recorded:08x}")
 
 
 class BoxReader:
     """Reads boxes of the tensors of one manifest from any byte store."""
 
     def __init__(self, manifest: Manifest, files: ByteStore, where: str, *, verify: bool = True):
+        checked: set[str] = set()
         for name, record in manifest.tensors.items():  # a gap would leave part of a destination unwritten
-            checked_chunks(name, record, where, lambda _: LayoutOnly())
+            kind = _geometry(record)
+            if kind not in checked:  # 20,000 tensors of a few shapes on one mesh are a few checks, not 20,000
+                checked_chunks(name, record, where, lambda _: LayoutOnly())
+                checked.add(kind)
         self.manifest, self.files, self.where, self.verify = manifest, files, where, verify
         self.bytes_read = 0
         self.blocks_verified = 0
         self._rebuilt: dict[str, memoryview] = {}  # damaged data files rebuilt from parity, in memory
         self._grouped: dict[str, dict[int, list[ChunkRecord]]] = {}  # by tensor: its chunks by contribution
+        self._exact: dict[tuple[str, int], dict[str, ChunkRecord]] = {}  # by tensor and contribution: chunks by box
+        self._stage = threading.local()  # each reading thread's staging buffer for coalesced reads
         self._lock = threading.Lock()
         self._restore_lock = threading.Lock()
 
@@ -90,16 +128,99 @@ class BoxReader:
             buffer = target if target.flags.c_contiguous else np.empty(overlap[1], out.dtype)
             starts, run = box_runs(chunk.shape, itemsize, start, overlap[1])
             runs = [(s, s + run) for s in starts.tolist()]
-            into = buffer.reshape(-1).view(np.uint8).data
-            try:
-                self._read_runs(name, chunk, runs, into)
-            except (MissingFileError, TruncatedFileError, ChecksumError) as damage:
-                if self.manifest.redundancy is None:
-                    raise
-                self._restore(chunk.file, damage)
-                self._read_runs(name, chunk, runs, into)
+            self._read_checked(name, chunk, runs, buffer.reshape(-1).view(np.uint8).data)
             if buffer is not target:
                 target[...] = buffer
+
+    def _read_checked(self, name: str, chunk: ChunkRecord, runs: list[tuple[int, int]], into: memoryview) -> None:
+        """Runs of a chunk into `into`, verified; a damaged file is rebuilt from redundancy (once) and read again."""
+        try:
+            self._read_runs(name, chunk, runs, into)
+        except (MissingFileError, TruncatedFileError, ChecksumError) as damage:
+            if self.manifest.redundancy is None:
+                raise
+            self._restore(chunk.file, damage)
+            self._read_runs(name, chunk, runs, into)
+
+    def whole_chunk_reads(self, requests: Sequence[BoxRequest]) -> tuple[list[list[WholeChunk]], list[int]]:
+        """The requests whose box is one small stored chunk exactly, grouped into coalesced reads (`read_whole`):
+        runs of chunks adjacent in one file, up to COALESCE_BYTES each; and the indexes of the other requests,
+        for `read_box`. A state of 20,000 small tensors thus takes a few dozen reads, not 20,000."""
+        whole: list[WholeChunk] = []
+        others = []
+        for index, (name, box, out, contribution) in enumerate(requests):
+            chunk = self._exact_chunk(name, box, contribution)
+            if (chunk is None or out.nbytes != chunk.byte_range[1] - chunk.byte_range[0]
+                    or out.nbytes > SMALL_CHUNK or not out.flags.c_contiguous):
+                others.append(index)
+            else:
+                whole.append(WholeChunk(name, chunk, out.reshape(-1).view(np.uint8).data))
+        whole.sort(key=lambda w: (w.chunk.file, w.chunk.byte_range[0]))
+        batches: list[list[WholeChunk]] = []
+        for item in whole:
+            last = batches[-1][-1].chunk if batches else None
+            if (last is None or last.file != item.chunk.file or last.byte_range[1] != item.chunk.byte_range[0]
+                    or item.chunk.byte_range[1] - batches[-1][0].chunk.byte_range[0] > COALESCE_BYTES):
+                batches.append([item])
+            else:
+                batches[-1].append(item)
+        return batches, others
+
+    def read_whole(self, batch: Sequence[WholeChunk]) -> None:
+        """Read a batch of `whole_chunk_reads` with one ranged read into a staging buffer, each chunk's blocks
+        verified before its bytes are copied out; a chunk that fails (or any, when the read does) is read again on
+        its own, the way read_box would, which names the damage or rebuilds the file from redundancy."""
+        begin = batch[0].chunk.byte_range[0]
+        stage = self._coalesced(batch) if len(batch) > 1 else None
+        done = 0
+        checked = 0
+        for item in batch:
+            chunk = item.chunk
+            size = chunk.byte_range[1] - chunk.byte_range[0]
+            if stage is not None:
+                part = stage[chunk.byte_range[0] - begin:chunk.byte_range[1] - begin]
+                try:
+                    if self.verify:
+                        checked += len(verify_blocks(chunk.block_crc32c, size, [(0, size)], part, _no_gaps,
+                                                     _damaged)[0])
+                    item.out[:] = part
+                    done += size
+                    continue
+                except ChecksumError:
+                    pass
+            self._read_checked(item.name, chunk, [(0, size)], item.out)
+        if done > 0:
+            with self._lock:
+                self.bytes_read += done
+                self.blocks_verified += checked
+
+    def _coalesced(self, batch: Sequence[WholeChunk]) -> memoryview | None:
+        """A batch's bytes, in this thread's staging buffer; None when its file is rebuilt or the read fails (every
+        chunk is then read on its own, and the slow path says what is wrong, or rebuilds the file)."""
+        file, (begin, end) = batch[0].chunk.file, (batch[0].chunk.byte_range[0], batch[-1].chunk.byte_range[1])
+        if file in self._rebuilt:
+            return None
+        stage: memoryview | None = getattr(self._stage, "buffer", None)
+        if stage is None or len(stage) < end - begin:
+            stage = self._stage.buffer = memoryview(bytearray(max(end - begin, COALESCE_BYTES)))
+        try:
+            self.files.read_runs(file, [(begin, end)], stage[:end - begin])
+        except (CheckpointError, OSError):
+            return None
+        return stage
+
+    def _exact_chunk(self, name: str, box: Box, contribution: int | None) -> ChunkRecord | None:
+        """The stored chunk of `name` whose box is `box` exactly, when reading it is all a box read takes."""
+        record = self.manifest.tensors.get(name)
+        if record is None or (record.reduction is not None and contribution is None):
+            return None
+        chunks = self._contributions(name).get(contribution or 0, ())
+        if len(chunks) <= EXACT_SCAN:
+            return next((c for c in chunks if c.offsets == box[0] and c.shape == box[1]), None)
+        exact = self._exact.get((name, contribution or 0))
+        if exact is None:  # keyed by text: str hashes are randomised, tuples of a file's integers are not
+            exact = self._exact[(name, contribution or 0)] = {repr((c.offsets, c.shape)): c for c in chunks}
+        return exact.get(repr((tuple(box[0]), tuple(box[1]))))
 
     def _contributions(self, name: str) -> dict[int, list[ChunkRecord]]:
         """A tensor's chunks grouped by contribution, made once: a box of a Partial tensor over many ranks reads

@@ -65,6 +65,7 @@ def header_bytes(specs: Iterable[TensorSpec], metadata: dict[str, str] | None = 
 
 
 WRITE_PIECE = 4 * 1024**2  # bytes checksummed then written at a time: small enough to stay in cache
+SMALL_WRITE = 1024**2  # pieces smaller than this are copied into a staging buffer and written WRITE_PIECE at a time
 
 
 @dataclass
@@ -90,6 +91,7 @@ def write_stream(f: OutputFile, tensors: Iterable[tuple[TensorSpec, Iterable[np.
     whole = RunningCrc()
     whole.update(head)
     result = Written(0, 0, [], [])
+    stage = bytearray()  # small pieces, gathered into one write: 20,000 small tensors are ~160 writes, not 20,000
     for spec, blocks in items:
         begin, crcs = whole.size, BlockCrcs(checksum_block)
         numpy_dtype = dtypes.numpy_dtype(spec.dtype)
@@ -99,12 +101,22 @@ def write_stream(f: OutputFile, tensors: Iterable[tuple[TensorSpec, Iterable[np.
                 piece = view[start:start + WRITE_PIECE]
                 crcs.update(piece)  # checksums first: the write then finds the piece in cache
                 whole.update(piece)
+                if len(piece) < SMALL_WRITE:
+                    stage += piece
+                    if len(stage) < WRITE_PIECE:
+                        continue
+                    piece, stage = memoryview(stage), bytearray()  # a fresh stage: the file may keep the old one
+                elif stage:
+                    f.write(memoryview(stage))
+                    stage = bytearray()
                 f.write(piece)
         if whole.size - begin != spec.nbytes:
             raise ValueError(f"tensor {spec.name!r}: its blocks hold {whole.size - begin} bytes, "
                              f"expected {spec.nbytes}")
         result.ranges.append((begin, whole.size))
         result.block_crc32c.append(crcs.finish())
+    if stage:
+        f.write(memoryview(stage))
     result.size, result.crc32c = whole.size, whole.value
     return result
 
