@@ -9,11 +9,16 @@
             tm.save on 4 gloo ranks with no redundancy, rs(4,2) and replicate:2 (the order rotates
             each repetition); bytes on disk split into data, parity and copies. The time each rank
             spends in write_extras (the parity / copy phase) is recorded by wrapping it.
-3. rebuild  on the last rs(4,2) checkpoint, with rank 1's data file deleted: repair() (scan, rebuild,
+3. rebuild  (bench_redundancy_rebuild.py) on the last rs(4,2) checkpoint, with rank 1's data file deleted: repair() (scan, rebuild,
             verify), the rebuild alone (tmformat.recovery.recover into a file, fsync), verify() of
             the intact checkpoint, all against one cold preadv of that same file; and tm.load of the
-            whole state in one process with the file lost (rebuilt in memory) vs nothing lost.
+            whole state in one process with the file lost (rebuilt into a temporary file) vs nothing lost.
             Every load is checked against CRC-32C of the intact load's tensors.
+Floors (what the disk allows, measured in the same run): for the saves, every rank writes 1x, (k+m)/k x and 2x its
+shard's bytes with plain os.write + fsync, so (1x time) / (that time) is the best ratio the disk permits; for the
+rebuild, the k files it reads (k-1 data files and one parity file) read cold, one thread per file, so
+(one file's read) / (the k files' read) is the best a rebuild can reach before decoding or writing anything; and the
+CPU's, k x the file's bytes decoded at zfec's rate of section 1 on every core.
 Every timed step starts from a dropped page cache (root) and a prefault, as DESIGN.md asks.
 Targets are floors derived from the work each step must do (stated in each row's target).
 """
@@ -26,7 +31,6 @@ import os
 import shutil
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +63,8 @@ ENCODE_FILE = 128 * MiB
 ENCODE_RUNS = 5
 SAVE_RUNS = 5
 REBUILD_RUNS = 3
+FLOOR_RUNS = 3  # repetitions of the disk-rate floors (plain writes and reads of the same bytes)
+FLOOR_PIECE = 64 * MiB  # bytes per os.write / preadv of the floors
 SAVE_PREFAULT = 1 * GiB  # per rank: its ~512 MiB shard plus the save's small buffers
 PREFAULT = 3 * GiB  # single-process steps: a 2 GiB load plus a rebuilt 512 MiB file and its copies
 LOST_RANK = 1
@@ -82,6 +88,7 @@ TENSORS = {
     "optim.layers.0.self_attn.o.exp_avg": ((4096, 4096), "float32"),
 }
 SAVES = {"none": None, "rs": SCHEME, "replicate": "replicate:2"}
+WRITE_FACTOR = {"none": 1.0, "rs": (K + M) / K, "replicate": 2.0}  # bytes each save stores, per data byte
 
 
 # ---------------------------------------------------------------- 1. encode rate
@@ -189,18 +196,41 @@ def _worker(rank: int, world: int, port: int, work: str, cold: bool) -> None:
         state = shard_state(mesh, rank, world, TENSORS)
         build_s = time.perf_counter() - start
 
-        # the parity / copy phase of a save, timed on each rank by wrapping the function save calls
+        # the parity / copy phase of a save (write_extras), timed on each rank by wrapping the function save calls
         extras_s: list[float] = []
-        original = writer.write_extras
 
-        def timed_extras(*args: Any, **kwargs: Any) -> Any:
-            begin = time.perf_counter()
+        def timed(original: Any) -> Any:
+            def timed_extras(*args: Any, **kwargs: Any) -> Any:
+                begin = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    extras_s.append(time.perf_counter() - begin)
+            return timed_extras
+
+        writer.write_extras = timed(writer.write_extras)
+
+        local_bytes = sum(t.to_local().numel() * t.to_local().element_size() for t in state.values())
+
+        def disk_write(factor: float) -> None:
+            """The disk's own rate: this rank writes `factor` x its shard's bytes with os.write, then fsync."""
+            path = root / f"floor-{rank}.bin"
+            piece, left = memoryview(np.full(FLOOR_PIECE, 7, np.uint8)), int(local_bytes * factor)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                return original(*args, **kwargs)
+                while left:
+                    left -= os.write(fd, piece[:min(left, FLOOR_PIECE)])
+                os.fsync(fd)
             finally:
-                extras_s.append(time.perf_counter() - begin)
+                os.close(fd)
 
-        writer.write_extras = timed_extras
+        floors: dict[str, list[float]] = {label: [] for label in SAVES}
+        for k in range(FLOOR_RUNS):
+            for label in list(SAVES)[k % 3:] + list(SAVES)[:k % 3]:
+                seconds, _ = timed_on_ranks(functools.partial(disk_write, WRITE_FACTOR[label]),
+                                            prefault_bytes=SAVE_PREFAULT, cold=cold)
+                floors[label].append(seconds)
+                (root / f"floor-{rank}.bin").unlink()
 
         def run(k: int, label: str, state: dict[str, Any]) -> dict[str, Any]:
             del extras_s[:]
@@ -233,136 +263,14 @@ def _worker(rank: int, world: int, port: int, work: str, cold: bool) -> None:
                     if not (label == "rs" and k == SAVE_RUNS - 1):  # kept for the rebuild steps
                         shutil.rmtree(folder)
             dist.barrier()
-        local_bytes = sum(t.to_local().numel() * t.to_local().element_size() for t in state.values())
         everyone = [None] * world
         dist.all_gather_object(everyone, local_bytes)
         if rank == 0:
             (root / "save.json").write_text(json.dumps({
-                "times": times, "extras_s": extras, "file_bytes": sizes, "rank_bytes": everyone,
+                "times": times, "floors": floors, "extras_s": extras, "file_bytes": sizes, "rank_bytes": everyone,
                 "build_s": build_s, "kept": str(root / f"rs-{SAVE_RUNS - 1}")}))
     finally:
         dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------- 3. rebuild, repair, degraded load
-
-def _timed(step: Any, *, cold: bool, prefault_bytes: int = PREFAULT) -> tuple[float, Any]:
-    if not (cold and drop_caches()):
-        os.sync()
-    prefault(prefault_bytes)
-    start = time.perf_counter()
-    result = step()
-    return time.perf_counter() - start, result
-
-
-def _read_file(path: Path, into: np.ndarray) -> int:
-    view, done = memoryview(into), 0
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        while done < len(view):
-            count = os.preadv(fd, [view[done:]], done)
-            if count == 0:
-                break
-            done += count
-    finally:
-        os.close(fd)
-    return done
-
-
-def _rebuild_to(root: Path, lost: str, out: Path) -> tuple[int, int]:
-    """The rebuild alone: recover() the lost file from its stripe into `out`, fsynced; (size, crc32c)."""
-    from tensormorph.ops.repair import write_checked
-    from tensormorph.storage import LocalFiles
-    from tensormorph.tmformat.checkpoint import read_manifest
-    from tensormorph.tmformat.recovery import all_files, recover
-
-    files = LocalFiles(root)
-    try:
-        manifest = read_manifest(files, str(root))
-        intact = set(all_files(manifest)) - {lost}
-        chunks = recover(manifest, lost, intact, lambda n, b, e: files.read(n, b, e - b))
-        Path(out).unlink(missing_ok=True)  # write_checked creates a new file, never one already there
-        return write_checked(Path(out), chunks)
-    finally:
-        files.close()
-
-
-def bench_rebuild(root: Path, cold: bool) -> dict[str, Any]:
-    import crc32c
-    import torch
-
-    import tensormorph as tm
-    from tensormorph.ops.repair import repair
-    from tensormorph.storage import LocalFiles
-    from tensormorph.tmformat.checkpoint import read_manifest
-    from tensormorph.tmformat.integrity import file_crc32c
-    from tensormorph.tmformat.recovery import all_files
-
-    lost = f"rank-{LOST_RANK:05d}.safetensors"
-    path = root / lost
-    files = LocalFiles(root)
-    record = all_files(read_manifest(files, str(root)))[lost]
-    files.close()
-    side = root.parent / "rebuilt.bin"
-
-    buffer = np.empty(record.size, np.uint8)
-    buffer[::4096] = 0
-    state = {n: torch.empty(shape, dtype=getattr(torch, dtype)) for n, (shape, dtype) in TENSORS.items()}
-
-    def tensor_crcs() -> list[int]:
-        return [crc32c.crc32c(t.reshape(-1).view(torch.uint8).numpy()) for t in state.values()]
-
-    def zero() -> None:
-        for t in state.values():
-            t.zero_()
-
-    def load() -> dict[str, Any]:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            report = tm.load(root, state)
-        return {"bytes_read": report.bytes_read, "warnings": [str(w.message) for w in caught]}
-
-    times: dict[str, list[float]] = {k: [] for k in ("read", "load_intact", "load_lost", "rebuild", "repair",
-                                                       "verify")}
-    notes: dict[str, Any] = {}
-    truth: list[int] | None = None
-    for _ in range(REBUILD_RUNS):  # each repetition ends with repair() putting the file back
-        seconds, n = _timed(lambda: _read_file(path, buffer), cold=cold)
-        assert n == record.size and crc32c.crc32c(buffer) == record.crc32c, "anchor read of the data file"
-        times["read"].append(seconds)
-
-        seconds, report = _timed(lambda: tm.verify(root), cold=cold)
-        assert report.ok, report.problems
-        times["verify"].append(seconds)
-
-        zero()
-        seconds, report = _timed(load, cold=cold)
-        assert not report["warnings"], report["warnings"]
-        truth = truth or tensor_crcs()
-        assert tensor_crcs() == truth, "intact load differs from the first intact load"
-        times["load_intact"].append(seconds)
-        notes.setdefault("load_intact", report)
-
-        path.unlink()
-        zero()
-        seconds, report = _timed(load, cold=cold)
-        assert report["warnings"] and tensor_crcs() == truth, f"load with {lost} lost: {report['warnings']}"
-        times["load_lost"].append(seconds)
-        notes.setdefault("load_lost", report)
-
-        seconds, (size, value) = _timed(lambda: _rebuild_to(root, lost, side), cold=cold)
-        assert (size, value) == (record.size, record.crc32c), "recover() rebuilt other bytes"
-        side.unlink()
-        times["rebuild"].append(seconds)
-
-        seconds, report = _timed(lambda: repair(root), cold=cold)
-        assert report.ok and report.repaired == [lost], report.to_dict()
-        check = LocalFiles(root)
-        assert file_crc32c(check, lost) == record.crc32c, "repair() wrote other bytes"
-        check.close()
-        times["repair"].append(seconds)
-        notes.setdefault("repair_after_bytes_read", report.after.bytes_read if report.after else None)
-    return {"file": lost, "file_bytes": record.size, "times": times, "notes": notes}
 
 
 # ---------------------------------------------------------------- driver
@@ -386,6 +294,8 @@ def main() -> None:
         save = json.loads((work / "save.json").read_text())
         loads["after_save"] = load_averages()
         sections["save"] = time.perf_counter() - started - sum(sections.values())
+        from .bench_redundancy_rebuild import bench_rebuild
+
         rebuild = bench_rebuild(Path(save["kept"]), cold)
         sections["rebuild"] = time.perf_counter() - started - sum(sections.values())
     loads["end"] = load_averages()
@@ -409,12 +319,21 @@ def main() -> None:
     space = {label: stored[label] / data_bytes for label in SAVES}
     expected_rs = 1 + parity.overhead(parity.parse_scheme(SCHEME), [data_bytes // RANKS] * RANKS)
     save_ratio = {label: sv["none"]["median"] / sv[label]["median"] for label in ("rs", "replicate")}
+    fl = {label: summary(v) for label, v in save["floors"].items()}
+    floor_ratio = {label: fl["none"]["median"] / fl[label]["median"] for label in ("rs", "replicate")}
+    # the CPU's share of an rs save: m parity files, each k x a rank file through zfec (section 1's rate), every core
+    cores = os.cpu_count() or 1
+    encode_s = M * total / (enc_rate["zfec_raw"] * 1e9 * cores)
+    cpu_save_ratio = sv["none"]["median"] / (sv["none"]["median"] + encode_s)
 
     # 3. rebuild
     rb = {label: summary(v) for label, v in rebuild["times"].items()}
     fb = rebuild["file_bytes"]
-    rb_ratio = {label: rb["read"]["median"] / rb[label]["median"] for label in ("rebuild", "repair")}
+    rb_ratio = {label: rb["read"]["median"] / rb[label]["median"] for label in ("rebuild", "repair", "read_k")}
     load_ratio = rb["load_intact"]["median"] / rb["load_lost"]["median"]
+    # the CPU's floor for a rebuild: k x the file's bytes through zfec at its measured rate (section 1), on every core
+    decode_s = K * fb / (enc_rate["zfec_raw"] * 1e9 * cores)
+    cpu_floor = rb["read"]["median"] / decode_s
 
     print()
     print(f"1. {SCHEME} parity encode, {K} x {fmt_bytes(ENCODE_FILE)} in memory, per parity file, "
@@ -431,13 +350,17 @@ def main() -> None:
                   fmt_bytes(stored[label]), f"{space[label]:.3f}x"] for label, s in sv.items()])
     print(f"save none / rs: {save_ratio['rs']:.2f}x, none / replicate:2: {save_ratio['replicate']:.2f}x; "
           f"rs bytes {space['rs']:.3f}x of data (expected {expected_rs:.3f}x)")
+    print("disk floor, plain writes + fsync on every rank: " + ", ".join(
+        f"{WRITE_FACTOR[label]:.2f}x data {fmt_s(s['median'])}" for label, s in fl.items())
+        + f"; best ratios the disk allows: rs {floor_ratio['rs']:.2f}x, replicate:2 {floor_ratio['replicate']:.2f}x")
     print()
     print(f"3. {rebuild['file']} ({fmt_bytes(fb)}) lost, {'cold' if cold else 'WARM'}, medians of {REBUILD_RUNS}")
     print_table(["step", "median", "range", "rate"],
                 [[label, fmt_s(s["median"]), f"{fmt_s(s['min'])} - {fmt_s(s['max'])}",
                   f"{(total if label.startswith('load') else fb) / s['median'] / 1e9:.2f} GB/s"]
                  for label, s in rb.items()])
-    print(f"read / rebuild: {rb_ratio['rebuild']:.2f}x, read / repair: {rb_ratio['repair']:.2f}x, "
+    print(f"read / rebuild: {rb_ratio['rebuild']:.2f}x (floor read / read of the k inputs: "
+          f"{rb_ratio['read_k']:.2f}x), read / repair: {rb_ratio['repair']:.2f}x, "
           f"load intact / load lost: {load_ratio:.2f}x")
     print(f"whole run {wall_s:.0f} s; load averages {loads}")
 
@@ -456,14 +379,19 @@ def main() -> None:
         row(save_title, f"tm.save {SCHEME} vs no redundancy",
             tensormorph=f"{fmt_s(sv['rs']['median'])} ({sv_rate['rs']:.2f} GB/s)",
             anchor=f"no redundancy: {fmt_s(sv['none']['median'])} ({sv_rate['none']:.2f} GB/s)",
-            ratio=save_ratio["rs"], target=">= 0.5x", met=save_ratio["rs"] >= 0.5,
-            note=f"parity phase {max(extras_med['rs']):.2f} s on ranks {', '.join(map(str, parity_ranks))}, "
-                 "the others wait"),
+            ratio=save_ratio["rs"], target=">= 0.7x", met=save_ratio["rs"] >= 0.7,
+            note=f"parity phase {max(extras_med['rs']):.2f} s on ranks {', '.join(map(str, parity_ranks))}; "
+                 f"disk floor {floor_ratio['rs']:.2f}x (plain writes of 1x vs {WRITE_FACTOR['rs']:.2f}x the data, "
+                 f"fsync: {fmt_s(fl['none']['median'])} vs {fmt_s(fl['rs']['median'])}); encoding alone takes "
+                 f"{fmt_s(encode_s)} of {cores} cores at zfec's {enc_rate['zfec_raw']:.2f} GB/s, so without overlap "
+                 f"with the data writes the CPU allows {cpu_save_ratio:.2f}x"),
         row(save_title, "tm.save replicate:2 vs no redundancy",
             tensormorph=f"{fmt_s(sv['replicate']['median'])} ({sv_rate['replicate']:.2f} GB/s)",
             anchor=f"no redundancy: {fmt_s(sv['none']['median'])} ({sv_rate['none']:.2f} GB/s)",
-            ratio=save_ratio["replicate"], target=">= 0.5x", met=save_ratio["replicate"] >= 0.5,
-            note=f"copy phase {max(extras_med['replicate']):.2f} s"),
+            ratio=save_ratio["replicate"], target=">= 0.7x", met=save_ratio["replicate"] >= 0.7,
+            note=f"copy phase {max(extras_med['replicate']):.2f} s; disk floor {floor_ratio['replicate']:.2f}x "
+                 f"(plain writes of 1x vs 2x the data, fsync: {fmt_s(fl['none']['median'])} vs "
+                 f"{fmt_s(fl['replicate']['median'])})"),
         row(save_title, f"bytes on disk / data bytes, {SCHEME} (ratio = stored / data, lower is better)",
             tensormorph=f"{fmt_bytes(stored['rs'])} ({fmt_bytes(disk['rs']['parity'])} parity)",
             anchor=f"data: {fmt_bytes(data_bytes)}", ratio=space["rs"], target=f"= {expected_rs:.2f}x ((k+m)/k)",
@@ -471,17 +399,20 @@ def main() -> None:
         row(rb_title, "rebuild alone (recover() into a file, fsync) vs one cold read of that file",
             tensormorph=f"{fmt_s(rb['rebuild']['median'])}",
             anchor=f"preadv of the file: {fmt_s(rb['read']['median'])}",
-            ratio=rb_ratio["rebuild"], target=f">= 0.15x (reads k = {K} files, decodes as it reads)",
-            met=rb_ratio["rebuild"] >= 0.15),
+            ratio=rb_ratio["rebuild"], target=f">= 0.3x (reads k = {K} files, decodes as it reads)",
+            met=rb_ratio["rebuild"] >= 0.3,
+            note=f"disk floor {rb_ratio['read_k']:.2f}x: the k = {K} files it reads, read cold in parallel, take "
+                 f"{fmt_s(rb['read_k']['median'])}; CPU floor {cpu_floor:.2f}x: decoding k x the file at zfec's "
+                 f"{enc_rate['zfec_raw']:.2f} GB/s on {cores} cores takes {fmt_s(decode_s)}"),
         row(rb_title, "repair() (scan, rebuild, verify) vs one cold read of that file",
             tensormorph=f"{fmt_s(rb['repair']['median'])}",
             anchor=f"preadv of the file: {fmt_s(rb['read']['median'])}",
             ratio=rb_ratio["repair"], target=">= 0.06x (one scan + the rebuild)", met=rb_ratio["repair"] >= 0.06,
             note=f"verify() alone {fmt_s(rb['verify']['median'])}"),
-        row(rb_title, "tm.load of the whole state in one process, file lost (rebuilt in memory) vs intact",
+        row(rb_title, "tm.load of the whole state in one process, file lost (rebuilt into a temporary file) vs intact",
             tensormorph=f"{fmt_s(rb['load_lost']['median'])}",
             anchor=f"same load, nothing lost: {fmt_s(rb['load_intact']['median'])}",
-            ratio=load_ratio, target=">= 0.5x (one stripe decode more)", met=load_ratio >= 0.5),
+            ratio=load_ratio, target=">= 0.7x (one stripe decode more)", met=load_ratio >= 0.7),
     ]
     write_result(NAME, {
         "title": f"Redundancy: {SCHEME} encode rate, save time and space on {RANKS} gloo ranks, rebuild, "
@@ -498,10 +429,13 @@ def main() -> None:
                  "tensors": [{"name": n, "shape": list(s), "dtype": d, "placement": "Shard(0)"}
                              for n, (s, d) in TENSORS.items()],
                  "time_s": sv, "gb_per_s": sv_rate, "ratio_none_over": save_ratio,
+                 "disk_floor_write_factor": WRITE_FACTOR, "disk_floor_time_s": fl, "disk_floor_ratio": floor_ratio,
+                 "cpu_encode_s": encode_s, "cores": cores,
                  "extras_phase_s_per_rank_median": extras_med, "extras_phase_s_runs": save["extras_s"],
                  "bytes_on_disk": disk, "stored_over_data": space, "expected_rs_stored_over_data": expected_rs},
         "rebuild": {"runs": REBUILD_RUNS, "prefault_bytes": PREFAULT, "file": rebuild["file"], "file_bytes": fb,
                     "time_s": rb, "ratio_read_over": rb_ratio, "ratio_load_intact_over_lost": load_ratio,
+                    "cpu_floor": {"cores": cores, "decode_s": decode_s, "ratio": cpu_floor},
                     "notes": rebuild["notes"]},
         "rows": rows,
     })

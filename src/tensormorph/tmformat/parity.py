@@ -4,13 +4,17 @@
 last stripe is completed with virtual all-zero files). For each stripe, m
 parity files are computed with zfec (the Reed-Solomon coder of Tahoe-LAFS)
 segment by segment over the files zero-padded to the stripe's longest, so
-any k of the k+m files rebuild the others. Parity file j of stripe s is
-written by rank (s*k + k + j) mod world: the m parity files of a stripe land
-on m different ranks, after the stripe's own ranks where the world is larger
-than k.
+any k of the k+m files rebuild the others. Parity file j of stripe s
+belongs to rank (s*k + k + j) mod world (the rank the manifest records): the
+m parity files of a stripe land on m different ranks, after the stripe's own
+ranks where the world is larger than k.
 
-`replicate:n`: each rank's file is copied n-1 times, copy i by rank
+`replicate:n`: each rank's file is copied n-1 times, copy i belonging to rank
 (r + i) mod world, for node-local storage tiers.
+
+Each parity file and copy is written whole by the rank that owns it
+(write_extras). Encoding and rebuilding run CODING_THREADS segments at once and
+hold at most CODING_BUFFER bytes (in_order), whatever the files' size.
 
 The manifest records every parity file and copy with its size and CRC-32C,
 so damage anywhere is detected and, within the budget, repaired bit-exact.
@@ -18,9 +22,15 @@ so damage anywhere is detected and, within the budget, repaired bit-exact.
 
 from __future__ import annotations
 
+import itertools
+import os
 import re
+import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import zfec
 
@@ -35,6 +45,11 @@ MAX_COPIES = 64  # n of replicate:n: every rank file stored n times; no storage 
 MAX_SEGMENT = 64 * 1024**2  # a manifest's segment: bytes of each file read at a time to rebuild a file
 MAX_STEP_BYTES = 1024**3  # k * segment: bytes of a stripe held at once to rebuild a file (the writer's 4 MiB
 # segment with k = 255 is just under)
+CODING_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+# segments read and coded at once, one per core this process may use (at most 4): pread and zfec release the GIL,
+# so one segment's reads overlap another's coding; more threads than cores only cost CPU (caches, switching)
+CODING_BUFFER = 256 * 1024**2  # bytes of segments one encode or rebuild holds at once (at least one segment's
+# k inputs and output, however large): memory stays bounded whatever the files' size
 
 _RS = re.compile(r"^rs\((\d+),\s*(\d+)\)$")
 _REPLICATE = re.compile(r"^replicate:(\d+)$")
@@ -117,6 +132,44 @@ def _segments(length: int, segment: int) -> Iterator[tuple[int, int]]:
         yield begin, min(length, begin + segment)
 
 
+def _ahead(k: int, segment: int) -> int:
+    """Segments in flight for a k-wide stripe: one per thread, fewer where CODING_BUFFER holds fewer, at least one
+    (measured: more in flight than threads only evicts the caches and scatters the reads)."""
+    return max(1, min(CODING_THREADS, CODING_BUFFER // ((k + 1) * max(1, segment))))
+
+
+def in_order(steps: Iterator[Callable[[], bytes]], ahead: int) -> Iterator[bytes]:
+    """The results of `steps`, run on CODING_THREADS threads with at most `ahead` submitted and not yet taken,
+    yielded in order. The first failure is raised in order; a consumer that stops early cancels the rest. A single
+    step (a file within one segment, the common small case) runs here, without starting threads."""
+    steps = iter(steps)
+    head = list(itertools.islice(steps, 2))
+    if len(head) < 2:
+        for step in head:
+            yield step()
+        return
+    steps = itertools.chain(head, steps)
+    pending: deque[Future[bytes]] = deque()
+    with ThreadPoolExecutor(max_workers=min(ahead, CODING_THREADS), thread_name_prefix="tm-coding") as pool:
+        try:
+            for step in steps:
+                pending.append(pool.submit(step))
+                if len(pending) >= ahead:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+class _Coders(threading.local):
+    """zfec coders of one (k, n), one set per thread: coding calls run on several threads at once."""
+
+    def __init__(self, k: int, n: int):
+        self.encoder, self.decoder = zfec.Encoder(k, n), zfec.Decoder(k, n)
+
+
 def _padded(read: Reader, file: str | None, size: int, begin: int, end: int) -> bytes:
     """Bytes [begin, end) of a data file, zero-padded past its end (virtual files are all zeros)."""
     if file is None or begin >= size:
@@ -125,14 +178,18 @@ def _padded(read: Reader, file: str | None, size: int, begin: int, end: int) -> 
     return data + bytes(end - begin - len(data))
 
 
-def encode_parity(stripe: Stripe, k: int, m: int, index: int, read: Reader, segment: int = SEGMENT) -> Iterator[bytes]:
-    """Parity file `index` of a stripe, segment by segment."""
-    encoder = zfec.Encoder(k, k + m)
+def encode_parity(stripe: Stripe, k: int, m: int, index: int, read: Reader,
+                  segment: int = SEGMENT) -> Iterator[bytes]:
+    """Parity file `index` of a stripe, segment by segment (several segments read and encoded at once)."""
+    coders = _Coders(k, k + m)
     files: list[str | None] = list(stripe.data) + [None] * (k - len(stripe.data))
     sizes = list(stripe.sizes) + [0] * (k - len(stripe.sizes))
-    for begin, end in _segments(stripe.length, segment):
-        blocks = tuple(_padded(read, f, n, begin, end) for f, n in zip(files, sizes))
-        yield encoder.encode(blocks, (k + index,))[0]
+
+    def step(first: int, stop: int) -> bytes:
+        blocks = tuple(_padded(read, f, n, first, stop) for f, n in zip(files, sizes))
+        return bytes(coders.encoder.encode(blocks, (k + index,))[0])
+
+    return in_order((partial(step, b, e) for b, e in _segments(stripe.length, segment)), _ahead(k, segment))
 
 
 def rebuild(stripe: Stripe, k: int, m: int, lost: str, available: set[str], read: Reader,
@@ -145,18 +202,27 @@ def rebuild(stripe: Stripe, k: int, m: int, lost: str, available: set[str], read
     sizes = list(stripe.sizes) + [0] * (k - len(stripe.sizes)) + [stripe.length] * m
     usable = [i for i, name in enumerate(names) if name is None or (name in available and name != lost)]
     if len(usable) < k:
+        gone = [name for name in names if name is not None and name != lost and name not in available]
         raise CheckpointError(f"cannot rebuild {lost}: {len(usable)} of the stripe's {k + m} files are intact, "
-                              f"{k} are needed")
+                              f"{k} are needed (damaged or missing besides it: {', '.join(gone)})")
     chosen = tuple(usable[:k])
     target = names.index(lost)
-    decoder, encoder = zfec.Decoder(k, k + m), zfec.Encoder(k, k + m)
-    for begin, end in _segments(stripe.length, segment):
+    coders = _Coders(k, k + m)
+    size = sizes[target]
+
+    def step(begin: int, end: int) -> bytes:
         blocks = tuple(_padded(read, names[i], sizes[i], begin, end) for i in chosen)
-        primaries = decoder.decode(blocks, chosen)
-        block = primaries[target] if target < k else encoder.encode(tuple(primaries), (target,))[0]
-        size = sizes[target]
-        if begin < size:
-            yield bytes(block[:min(end, size) - begin])
+        primaries = coders.decoder.decode(blocks, chosen)
+        block = primaries[target] if target < k else coders.encoder.encode(tuple(primaries), (target,))[0]
+        return bytes(block[:min(end, size) - begin])
+
+    # the lost file's own length: a short data file's padding past its end is not rebuilt
+    return in_order((partial(step, b, e) for b, e in _segments(size, segment)), _ahead(k, segment))
+
+
+def copied(read: Reader, file: str, size: int, segment: int = SEGMENT) -> Iterator[bytes]:
+    """A file, segment by segment, several segments read at once (a copy made or restored)."""
+    return in_order((partial(read, file, b, e) for b, e in _segments(size, segment)), _ahead(0, segment))
 
 
 def write_extras(scheme: Scheme, data_files: Sequence[tuple[str, int]], rank: int, world: int, read: Reader,
@@ -181,7 +247,7 @@ def write_extras(scheme: Scheme, data_files: Sequence[tuple[str, int]], rank: in
         for source_rank, (name, size) in enumerate(data_files):
             for copy in range(1, scheme.copies):
                 if (source_rank + copy) % world == rank:
-                    stored(replica_file(name, copy), (read(name, b, e) for b, e in _segments(size, SEGMENT)))
+                    stored(replica_file(name, copy), copied(read, name, size))
     return done
 
 
@@ -194,4 +260,3 @@ def overhead(scheme: Scheme, sizes: Sequence[int]) -> float:
         return scheme.copies - 1.0
     groups = [sizes[i:i + scheme.k] for i in range(0, len(sizes), scheme.k)]
     return sum(scheme.m * max(g) for g in groups) / data if groups else 0.0
-

@@ -16,7 +16,6 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import crc32c
 import numpy as np
 
 from .. import dtypes
@@ -30,7 +29,7 @@ from .checksums import verify_blocks
 from .integrity import file_crc32c
 from .manifest import ChunkRecord, FileRecord, Manifest, TensorRecord
 from .placement_check import checked_chunks
-from .recovery import all_files, group_of, recover
+from .recovery import RebuiltFile, all_files, group_of, rebuild_file
 
 SMALL_CHUNK = 1 << 20  # chunks up to this size are read in coalesced runs; larger ones straight into place
 COALESCE_BYTES = 8 << 20  # most bytes one coalesced read gathers: each reading thread stages this much
@@ -76,7 +75,7 @@ class BoxReader:
         self.manifest, self.files, self.where, self.verify = manifest, files, where, verify
         self.bytes_read = 0
         self.blocks_verified = 0
-        self._rebuilt: dict[str, memoryview] = {}  # damaged data files rebuilt from parity, in memory
+        self._rebuilt: dict[str, RebuiltFile] = {}  # damaged data files rebuilt from parity, in temporary files
         self._grouped: dict[str, dict[int, list[ChunkRecord]]] = {}  # by tensor: its chunks by contribution
         self._exact: dict[tuple[str, int], dict[str, ChunkRecord]] = {}  # by tensor and contribution: chunks by box
         self._stage = threading.local()  # each reading thread's staging buffer for coalesced reads
@@ -84,6 +83,9 @@ class BoxReader:
         self._restore_lock = threading.Lock()
 
     def close(self) -> None:
+        for rebuilt in self._rebuilt.values():
+            rebuilt.close()
+        self._rebuilt.clear()
         self.files.close()
 
     def __enter__(self) -> BoxReader:
@@ -238,10 +240,7 @@ class BoxReader:
         base = chunk.byte_range[0]
         rebuilt = self._rebuilt.get(chunk.file)
         if rebuilt is not None:
-            position = 0
-            for begin, end in runs:
-                into[position:position + end - begin] = rebuilt[base + begin:base + end]
-                position += end - begin
+            rebuilt.read_runs([(base + begin, base + end) for begin, end in runs], into)
         else:
             self.files.read_runs(chunk.file, [(base + begin, base + end) for begin, end in runs], into)
         extra = 0
@@ -264,7 +263,7 @@ class BoxReader:
         base = chunk.byte_range[0]
         rebuilt = self._rebuilt.get(chunk.file)
         if rebuilt is not None:
-            return [bytes(rebuilt[base + b:base + e]) for b, e in ranges]
+            return rebuilt.read_ranges([(base + b, base + e) for b, e in ranges])
         return self.files.read_ranges(chunk.file, [(base + b, base + e) for b, e in ranges])
 
     def _read_range(self, file: str, begin: int, end: int) -> bytes:
@@ -278,23 +277,13 @@ class BoxReader:
             if file in self._rebuilt:
                 return
             records = all_files(self.manifest)
-            record = records[file]
             group = [name for name in group_of(self.manifest, file) if name != file]
-            data = bytearray(record.size)
-
-            def attempt(intact: set[str]) -> None:
-                position = 0
-                for piece in recover(self.manifest, file, intact, self._read_range):
-                    data[position:position + len(piece)] = piece
-                    position += len(piece)
-                if (position, crc32c.crc32c(data)) != (record.size, record.crc32c):
-                    raise CheckpointError("the rebuilt bytes do not match its recorded CRC-32C")
-
             try:
                 try:  # usually only this file is damaged: rebuild from the others without checking them first
-                    attempt(set(group))
+                    rebuilt = rebuild_file(self.manifest, file, set(group), self._read_range)
                 except (CheckpointError, OSError):
-                    attempt({name for name in group if self._intact(name, records[name])})
+                    intact = {name for name in group if self._intact(name, records[name])}
+                    rebuilt = rebuild_file(self.manifest, file, intact, self._read_range)
             except CheckpointError as exc:
                 lost = sorted({n for n, t in self.manifest.tensors.items() for c in t.chunks if c.file == file})
                 raise CheckpointError(
@@ -303,7 +292,7 @@ class BoxReader:
                     tensor=lost[0] if lost else None) from None
             warnings.warn(f"{self.files.describe(file)}: {damage.reason}; rebuilt from {plan.scheme} "
                           "redundancy for this load (run `tensormorph repair` to fix the file)", stacklevel=2)
-            self._rebuilt[file] = memoryview(data)
+            self._rebuilt[file] = rebuilt
 
     def _intact(self, name: str, record: FileRecord) -> bool:
         try:

@@ -7,13 +7,18 @@ checking every damaged file of a wide checkpoint stays linear in its files.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from ..errors import CheckpointError
+from ..storage.local import pread_into
+from .checksums import RunningCrc
 from .manifest import FileRecord, Manifest
-from .parity import Scheme, Stripe, parse_scheme, rebuild, replica_file
+from .parity import Scheme, Stripe, copied, parse_scheme, rebuild, replica_file
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,10 @@ def _group(manifest: Manifest, lost: str) -> tuple[Scheme, _Group]:
 
 
 def recover(manifest: Manifest, lost: str, intact: set[str], read: Callable[[str, int, int], bytes]) -> Iterator[bytes]:
-    """The bytes of file `lost`, rebuilt from parity or a copy; CheckpointError when beyond the redundancy."""
+    """The bytes of file `lost`, rebuilt from parity or a copy; CheckpointError when beyond the redundancy.
+
+    Segments are read and decoded on several threads ahead of the consumer, holding at most
+    parity.CODING_BUFFER bytes (parity.in_order)."""
     scheme, group = _group(manifest, lost)
     plan = manifest.redundancy
     assert plan is not None  # _group refused a manifest without redundancy
@@ -89,8 +97,7 @@ def recover(manifest: Manifest, lost: str, intact: set[str], read: Callable[[str
         sources = [n for n in group.data if n != lost and n in intact]
         if not sources:
             raise CheckpointError(f"cannot rebuild {lost}: every copy of {group.data[0]} is damaged or missing")
-        size = all_files(manifest)[lost].size
-        return (read(sources[0], b, min(b + plan.segment, size)) for b in range(0, size, plan.segment))
+        return copied(read, sources[0], all_files(manifest)[lost].size, plan.segment)
     stripe = Stripe(group.data, tuple(manifest.files[d].size for d in group.data), group.parity)
     return rebuild(stripe, scheme.k, scheme.m, lost, intact, read, plan.segment)
 
@@ -106,3 +113,52 @@ def check_recoverable(manifest: Manifest, name: str, intact: set[str]) -> None:
     if alive < scheme.k:
         raise CheckpointError(f"only {alive} of its stripe's {scheme.k + scheme.m} files are intact, "
                               f"{scheme.k} are needed")
+
+
+class RebuiltFile:
+    """A file rebuilt from its stripe or a copy into an unlinked temporary file: a degraded load reads it back with
+    pread, so no process holds the whole rebuilt file in memory (only the rebuild's parity.CODING_BUFFER)."""
+
+    def __init__(self, name: str, size: int, handle: BinaryIO):
+        self.name, self.size, self._handle = name, size, handle
+
+    def read_runs(self, runs: Sequence[tuple[int, int]], into: memoryview) -> None:
+        """Bytes of each [begin, end) run, one after another into `into`."""
+        position = 0
+        for begin, end in runs:
+            pread_into(self._handle.fileno(), begin, into[position:position + end - begin], f"{self.name} (rebuilt)")
+            position += end - begin
+
+    def read_ranges(self, runs: Sequence[tuple[int, int]]) -> list[bytes]:
+        out = []
+        for begin, end in runs:
+            buffer = bytearray(end - begin)
+            self.read_runs([(begin, end)], memoryview(buffer))
+            out.append(bytes(buffer))
+        return out
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+def rebuild_file(manifest: Manifest, lost: str, intact: set[str], read: Callable[[str, int, int], bytes],
+                 folder: str | None = None) -> RebuiltFile:
+    """Rebuild `lost` (recover) into an unlinked temporary file in `folder` (the system's temporary folder by
+    default), checked against the size and CRC-32C the manifest records; CheckpointError when beyond the redundancy
+    or when the bytes do not match (a file it was rebuilt from is damaged too)."""
+    record = all_files(manifest)[lost]
+    chunks = recover(manifest, lost, intact, read)
+    handle = tempfile.TemporaryFile(dir=folder)  # noqa: SIM115 (the RebuiltFile returned owns and closes it)
+    try:
+        running = RunningCrc()
+        for chunk in running.passing(chunks):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(handle.fileno(), view):]
+        if (running.size, running.value) != (record.size, record.crc32c):
+            raise CheckpointError(f"the rebuilt bytes ({running.size} bytes, CRC-32C {running.value:08x}) do not "
+                                  f"match the {record.size} bytes with CRC-32C {record.crc32c:08x} recorded for it")
+    except BaseException:
+        handle.close()
+        raise
+    return RebuiltFile(lost, record.size, handle)
