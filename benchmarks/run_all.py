@@ -26,6 +26,7 @@ BENCHMARKS = [
     ("bench_convert", "convert"),
     ("bench_viewer", "viewer"),
     ("bench_save_load", "save_load"),
+    ("bench_small_tensors", "small_tensors"),
     ("bench_reshard", "reshard"),
     ("bench_placements", "placements"),
     ("bench_redundancy", "redundancy"),
