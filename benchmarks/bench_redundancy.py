@@ -9,9 +9,9 @@
             tm.save on 4 gloo ranks with no redundancy, rs(4,2) and replicate:2 (the order rotates
             each repetition); bytes on disk split into data, parity and copies. The time each rank
             spends in write_extras (the parity / copy phase) is recorded by wrapping it.
-3. rebuild  (bench_redundancy_rebuild.py) on the last rs(4,2) checkpoint, with rank 1's data file deleted: repair() (scan, rebuild,
-            verify), the rebuild alone (tmformat.recovery.recover into a file, fsync), verify() of
-            the intact checkpoint, all against one cold preadv of that same file; and tm.load of the
+3. rebuild  (bench_redundancy_rebuild.py) on the last rs(4,2) checkpoint, with rank 1's data file deleted:
+            repair() (scan, rebuild, verify), the rebuild alone (tmformat.recovery.recover into a file,
+            fsync), verify() of the intact checkpoint, all against one cold preadv of that same file; and tm.load of the
             whole state in one process with the file lost (rebuilt into a temporary file) vs nothing lost.
             Every load is checked against CRC-32C of the intact load's tensors.
 Floors (what the disk allows, measured in the same run): for the saves, every rank writes 1x, (k+m)/k x and 2x its

@@ -14,11 +14,18 @@ import pytest
 from browser_support import write_safetensors
 from test_browser import READY, TIMEOUT
 
+from tensormorph import summary_cache
 from tensormorph.server import Viewer, create_app
 
 pytestmark = pytest.mark.timeout(120)
 
 LAYERS = [f"model.layers.{i}.mlp.weight" for i in range(6)]
+
+
+@pytest.fixture(autouse=True)
+def settled_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checkpoints are written just before: taken as settled at once (test_summary_cache tests the rule)."""
+    monkeypatch.setattr(summary_cache, "SETTLED_S", 0.0)
 
 
 @pytest.fixture(scope="module")

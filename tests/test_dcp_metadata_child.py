@@ -192,3 +192,18 @@ def test_without_limits_the_child_reads_nothing_and_the_file_is_read_in_process(
         dcp_metadata.summary_in_child(blob, "ckpt/.metadata")
     with tm.open(wide_dcp, "dcp") as ck:
         assert len(ck.tensors) == 6000 and ck.objects["step"].value() == 11
+
+
+def test_metadata_files_that_disagree_on_an_entry_kind_are_refused(dcp_per_rank_ckpt: Path, tmp_path: Path) -> None:
+    """Per-rank `__N.metadata` files: one declaring "w" as bytes where the others declare a tensor is an error
+    naming "w", not a silently dropped chunk list."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    folder = copy_dcp(dcp_per_rank_ckpt, tmp_path / "ck")
+    rank_file = sorted(folder.glob("__*.metadata"))[-1]
+    metadata = pickle.loads(rank_file.read_bytes())  # our own fixture
+    metadata.state_dict_metadata["w"] = BytesStorageMetadata()
+    rank_file.write_bytes(pickle.dumps(metadata, protocol=4))
+    with pytest.raises(HeaderError, match="declare it both as") as info:
+        tm.open(folder, "dcp")
+    assert info.value.tensor == "w"

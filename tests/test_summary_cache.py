@@ -18,8 +18,16 @@ import pytest
 import safetensors.numpy
 from starlette.testclient import TestClient
 
+from tensormorph import summary_cache
 from tensormorph.server import Viewer, create_app
 from tensormorph.summary_cache import KEY_FILE, MAGIC, SUMMARY_FOLDER, top_identity
+
+
+@pytest.fixture(autouse=True)
+def settled_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copies are made just before each test: taken as settled at once (test_files_changed_just_now_... keeps
+    the rule)."""
+    monkeypatch.setattr(summary_cache, "SETTLED_S", 0.0)
 
 
 @pytest.fixture
@@ -270,3 +278,14 @@ def test_a_changed_link_target_misses(hf_copy, cache, described):
 
 def _f16_bytes(tensors: dict) -> bytes:
     return safetensors.numpy.save({k: v.astype(np.float16) for k, v in tensors.items()}, metadata={"format": "pt"})
+
+
+def test_files_changed_just_now_are_not_cached(hf_copy, cache, described, monkeypatch):
+    """A file changed within SETTLED_S could change again within the same clock tick keeping its identity: such a
+    checkpoint is described and served, not stored, until its files have settled."""
+    monkeypatch.setattr(summary_cache, "SETTLED_S", 3600.0)  # the copy was made within the hour
+    raw, fresh = summary_of(hf_copy, cache)
+    assert raw == fresh and entries(cache) == []
+    monkeypatch.setattr(summary_cache, "SETTLED_S", 0.0)
+    summary_of(hf_copy, cache)
+    assert len(entries(cache)) == 1

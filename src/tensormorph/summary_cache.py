@@ -22,6 +22,7 @@ import json
 import os
 import secrets
 import stat
+import time
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ MAGIC = b"TMSUMMARY1\n"
 MAX_ENTRY_BYTES = 256 * 1024**2  # a cached entry larger than this is not read
 MAX_SUMMARY_BYTES = 2 * 1024**3  # the decoded summary an entry may claim (~5.8 MB of JSON per 20,000 tensors)
 MAX_SOURCES = 200_000  # a checkpoint of more files than this is not cached: checking them would cost as much
+SETTLED_S = 2.0  # files changed more recently than this are not cached: a change within one tick keeps mtime
 GZIP_LEVEL = 1  # the 5.8 MB summary of 20,000 tensors packs to 130 kB in ~22 ms, and unpacks in ~20 ms
 
 Identity = list[list[Any]]  # [[path, size, mtime_ns, inode, ctime_ns], ...], sorted by path
@@ -149,6 +151,13 @@ def _stat(path: str, how: Callable[[str], os.stat_result], label: str | None = N
     return [label or path, size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
 
 
+def _settled(identity: Identity) -> bool:
+    """No file or folder of `identity` was modified or changed within SETTLED_S of now."""
+    recent = time.time_ns() - int(SETTLED_S * 1e9)
+    return all((mtime is None or mtime < recent) and (ctime is None or ctime < recent)
+               for _, _, mtime, _, ctime in identity)
+
+
 def beside(tile_folder: Path | None) -> Path | None:
     """The summary folder of a viewer whose tiles are cached in `tile_folder` (None: none either)."""
     return tile_folder.parent / SUMMARY_FOLDER if tile_folder is not None else None
@@ -175,7 +184,10 @@ class SummaryCache:
         if found is not None:
             return found
         summary = Summary.pack(compute())
-        unchanged = opened is None or _covers(identity, opened)
+        # stored only when the identity taken before the open covers it (a viewer that opened a checkpoint without
+        # taking one, such as a run's next step, describes it each time) and no file changed just now: a rewrite
+        # within the same clock tick, of the same size, would keep its identity (git's "racy" files)
+        unchanged = opened is not None and _covers(identity, opened) and _settled(identity)
         if unchanged and source_identity(ck) == identity:
             self._write(entry, ck, identity, summary)
         return summary

@@ -22,11 +22,11 @@ from .. import dtypes
 from ..core import Checkpoint
 from ..errors import StateMismatchError, UnsupportedError
 from ..formats import detect, open_checkpoint
+from ..gc_pause import gc_paused
 from ..geometry import Box
 from ..ops.rules import as_targets, rule_list
 from ..storage import LocalFiles, RemoteFiles, is_url, local_path
 from ..tmformat.checkpoint import is_checkpoint_folder, read_manifest, root_of
-from ..tmformat.manifest import gc_paused
 from ..tmformat.reader import BoxReader
 from ..torch_arrays import as_numpy, to_torch, vocabulary
 from .state import Layout, Leaves, Memo, dtensor_types, flatten, held_pieces

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-from ..tmformat.manifest import decode_value, encode_value, gc_paused
+from ..gc_pause import gc_paused
+from ..tmformat.manifest import decode_value, encode_value
 from ..tmformat.writer import Blocks, Piece, RankResult, SaveTransaction
 from ..torch_arrays import as_numpy, cpu_contiguous, vocabulary
 from .collective import Collective, failures

@@ -7,16 +7,15 @@ also a folder of safetensors files). Adding a format means adding its module and
 
 from __future__ import annotations
 
-import gc
 import os
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core import DEFAULT_READ_BUDGET, Checkpoint
 from ..errors import CheckpointError, MissingFileError, UnknownFormatError, UnsupportedError
+from ..gc_pause import gc_paused
 from ..storage import AnyPath, RemotePath, as_path
 from . import (
     dcp,
@@ -52,19 +51,6 @@ READERS: tuple[FormatReader, ...] = (
     torch_pickle,
 )
 BY_NAME: dict[str, FormatReader] = {reader.NAME: reader for reader in READERS}
-
-
-@contextmanager
-def _collection_paused() -> Iterator[None]:
-    """Parsing builds hundreds of thousands of small objects and no cycles; the cyclic GC would only
-    rescan them again and again (about a third of the time of opening a large DCP checkpoint)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _detect(path: AnyPath) -> tuple[FormatReader, Detection] | None:
@@ -121,7 +107,7 @@ def open_checkpoint(path: str | Path | RemotePath, format: str | None = None, *,
                 f"not a checkpoint any reader recognises (known formats: {', '.join(BY_NAME)})", file=str(path))
         reader, detection = found
     try:
-        with _collection_paused():
+        with gc_paused():
             checkpoint = reader.open(detection)
     except CheckpointError:
         raise

@@ -235,10 +235,14 @@ def _parse(files: ByteStore, metadata_names: list[str], where: str) -> _Parsed:
     more_chunks: dict[str, list[Any]] = {}  # per-rank metadata files' chunks, joined once: linear in the files
     for summary in summaries:
         for entry in summary["entries"]:
-            if entry[0] in state and entry[1] == TENSOR_ENTRY:
-                more_chunks.setdefault(entry[0], []).extend(entry[4])
-            else:
+            known = state.get(entry[0])
+            if known is None:
                 state[entry[0]] = entry
+            elif known[1] != entry[1]:
+                raise HeaderError(f"the metadata files declare it both as {known[1]} and as {entry[1]}", file=where,
+                                  tensor=entry[0])
+            elif entry[1] == TENSOR_ENTRY:
+                more_chunks.setdefault(entry[0], []).extend(entry[4])
         items = [(_storage_key(fqn, offset, where), (relative, begin, length, transforms))
                  for fqn, offset, relative, begin, length, transforms in summary["storage"]]
         hashes.admit((key for key, _ in items), into=storage)
@@ -247,8 +251,7 @@ def _parse(files: ByteStore, metadata_names: list[str], where: str) -> _Parsed:
         for key, info in items:
             storage[key] = _item(*info, where, key[0])
     for fqn, chunks in more_chunks.items():
-        if state[fqn][1] == TENSOR_ENTRY:
-            state[fqn][4] = state[fqn][4] + chunks
+        state[fqn][4] = state[fqn][4] + chunks
     return _Parsed(summaries, state, storage)
 
 

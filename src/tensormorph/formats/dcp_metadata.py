@@ -12,6 +12,7 @@ give the same summary, which the reader then validates field by field.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -36,16 +37,19 @@ is 20 times that, plus a floor; keys of one hash value past it are stopped there
 
 CHILD_MEMORY = 512 << 20
 CHILD_MEMORY_PER_BYTE = 64
+CHILD_MEMORY_SHARE = 0.5
 """Address space the child may map: the interpreter, plus the records of a real `.metadata` (about 20 bytes of
-objects per byte of pickle here) three times over. A forged memo index asks for more and fails."""
+objects per byte of pickle here) three times over, and never more than this share of the machine's memory, so
+that a forged memo index in a large file cannot make the child swap the machine out. Asking for more fails."""
 
-SUMMARY_PER_BYTE = 8
+SUMMARY_PER_BYTE = 2
 MIN_SUMMARY = 16 << 20
 """The child's answer may be at most this many bytes per byte of pickle (a real one is about one), plus a floor."""
 
 CHILD_WALL_FACTOR = 10
-"""Wall-clock seconds allowed per CPU second (on a loaded machine the child gets a share of a core): past them a
-child that does not use its CPU time (blocked) is stopped."""
+MAX_CHILD_WALL_S = 3600
+"""Wall-clock seconds allowed per CPU second (on a loaded machine the child gets a share of a core), at most
+MAX_CHILD_WALL_S: past them a child that does not use its CPU time (blocked) is stopped."""
 
 
 def _posix_path(*parts: Any) -> str:
@@ -121,26 +125,40 @@ def summary_in_process(data: bytes, where: str) -> dict[str, Any]:
         return dcp_summary.summarize(record, safe_pickle.expansion_budget(len(data)))
     except dcp_summary.Malformed as exc:
         raise HeaderError(str(exc), file=where, tensor=exc.tensor) from None
+    except RecursionError:  # as the child answers
+        raise HeaderError("pickle is nested too deeply", file=where) from None
+
+
+def _machine_memory_share() -> int:
+    """CHILD_MEMORY_SHARE of this machine's memory (0 where it cannot be told)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * CHILD_MEMORY_SHARE)
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def summary_in_child(data: bytes, where: str) -> dict[str, Any]:
     """The summary, made by the C unpickler in a child process under CPU and memory limits."""
     cpu_s = CHILD_CPU_S + CHILD_CPU_S_PER_MB * len(data) // 1_000_000
-    memory = CHILD_MEMORY + CHILD_MEMORY_PER_BYTE * len(data)
+    memory = min(CHILD_MEMORY + CHILD_MEMORY_PER_BYTE * len(data), max(CHILD_MEMORY, _machine_memory_share()))
+    wall_s = min(CHILD_WALL_FACTOR * cpu_s, MAX_CHILD_WALL_S)
     request = {"length": len(data), "cpu_s": cpu_s, "memory": memory, "allowlist": child_allowlist(),
                "budget": safe_pickle.expansion_budget(len(data)),
                "max_output": max(MIN_SUMMARY, SUMMARY_PER_BYTE * len(data))}
     command = [sys.executable, "-I", "-S", "-B", str(Path(dcp_summary.__file__))]
     child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
-        out, _ = child.communicate(json.dumps(request).encode() + b"\n" + data, timeout=CHILD_WALL_FACTOR * cpu_s)
+        out, _ = child.communicate(json.dumps(request).encode() + b"\n" + data, timeout=wall_s)
     except subprocess.TimeoutExpired:
         child.kill()
         child.communicate()
-        raise HeaderError(f"reading it took more than {CHILD_WALL_FACTOR * cpu_s} s", file=where) from None
-    if child.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        raise HeaderError(f"reading it took more than {wall_s} s", file=where) from None
+    if child.returncode == -signal.SIGXCPU:
         raise HeaderError(f"reading it used more than its {cpu_s} s of CPU time (a real .metadata of "
                           f"{len(data)} bytes takes a small fraction of that)", file=where)
+    if child.returncode == -signal.SIGKILL:  # past the hard CPU limit, or the system's out-of-memory killer
+        raise HeaderError(f"the process reading it was killed: over its {cpu_s} s of CPU time, or out of memory",
+                          file=where)
     try:
         answer = json.loads(out)
     except ValueError:

@@ -262,7 +262,12 @@ class _Unpickler(pickle.Unpickler):
 def _set_limits(cpu_s: int, memory: int) -> None:
     import resource
 
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    def within_hard(kind: int, value: int) -> int:  # a parent run under `ulimit` keeps its tighter limit
+        hard = resource.getrlimit(kind)[1]
+        return value if hard == resource.RLIM_INFINITY else min(value, hard)
+
+    cpu_s, memory = within_hard(resource.RLIMIT_CPU, cpu_s), within_hard(resource.RLIMIT_AS, memory)
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, within_hard(resource.RLIMIT_CPU, cpu_s + 1)))
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
 

@@ -9,12 +9,9 @@ last, so a reader never takes a half-written save for a valid one.
 from __future__ import annotations
 
 import base64
-import contextlib
-import gc
 import json
 import math
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -23,6 +20,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import CheckpointError, ChecksumError, HeaderError, UnsupportedError
+from ..gc_pause import gc_paused
 from ..reduction import Reduction
 from .checksums import CHECKSUM_BLOCK, pack_crcs, unpack_crcs
 from .layout import checked_contributions, contribution_of, partial_mesh_dims, reduce_op
@@ -278,18 +276,6 @@ def parse(raw: bytes, where: str) -> Manifest:
     """
     with gc_paused():  # the largest manifest allowed parses 5-8x slower with the collector on
         return _parse(raw, where)
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """The cyclic collector off for a bulk step: it would rescan millions of fresh records, which hold no cycles."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _parse(raw: bytes, where: str) -> Manifest:

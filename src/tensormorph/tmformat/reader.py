@@ -284,10 +284,11 @@ class BoxReader:
                 except (CheckpointError, OSError):
                     intact = {name for name in group if self._intact(name, records[name])}
                     rebuilt = rebuild_file(self.manifest, file, intact, self._read_range)
-            except CheckpointError as exc:
+            except (CheckpointError, OSError) as exc:  # OSError: the temporary file (a full $TMPDIR) or a read
                 lost = sorted({n for n, t in self.manifest.tensors.items() for c in t.chunks if c.file == file})
+                reason = exc.reason if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
                 raise CheckpointError(
-                    f"{damage.reason}, and it cannot be rebuilt from {plan.scheme}: {exc.reason}. "
+                    f"{damage.reason}, and it cannot be rebuilt from {plan.scheme}: {reason}. "
                     f"Unrecoverable tensors ({len(lost)}): {', '.join(lost)}", file=self.files.describe(file),
                     tensor=lost[0] if lost else None) from None
             warnings.warn(f"{self.files.describe(file)}: {damage.reason}; rebuilt from {plan.scheme} "
