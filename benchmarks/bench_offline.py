@@ -55,6 +55,7 @@ from .common import (
     run_child,
     spawn_ranks,
     summary,
+    warm_page_cache,
     work_dir,
     write_result,
 )
@@ -127,18 +128,6 @@ def run(op: str, processes: int, a: Path, b: Path, out: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- the disk's own rates
 
-def _read(files: list[Path]) -> int:
-    buffer, total = bytearray(WRITE_BLOCK), 0
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            while n := os.readv(fd, [buffer]):
-                total += n
-        finally:
-            os.close(fd)
-    return total
-
-
 def _write(path: Path, nbytes: int) -> None:
     import numpy as np
 
@@ -171,7 +160,7 @@ def disk_child(a: Path, scratch: Path) -> None:
     for streams, groups in ((1, [files]), (2, [files[:half], files[half:]])):
         drop_caches()
         prefault(PREFAULT)
-        rates[f"read_{streams}"] = nbytes / _together([partial(_read, g) for g in groups])
+        rates[f"read_{streams}"] = nbytes / _together([partial(warm_page_cache, g, WRITE_BLOCK) for g in groups])
     size = 4 * GiB
     for streams in (1, 2):
         prefault(PREFAULT)
