@@ -31,6 +31,8 @@ from .common import (
     init_gloo,
     load_averages,
     print_table,
+    proc_status,
+    reset_peak_rss,
     row,
     shard_state,
     spawn_ranks,
@@ -105,7 +107,10 @@ def _read_plain(shards: list[Any], path: Path) -> None:
         os.close(fd)
 
 
-def _worker(rank: int, world: int, port: int, work: str, cold: bool) -> None:
+def _worker(rank: int, world: int, port: int, work: str, cold: bool, tensors: dict[str, Any] | None = None,
+            runs: int = RUNS, prefault_bytes: int = PREFAULT) -> None:
+    """One rank of the benchmark: every step of `runs` repetitions on the state `tensors` (TENSORS by default), each
+    step's times, what the library reported and this rank's peak RSS (all repetitions) written to result.json."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -120,30 +125,34 @@ def _worker(rank: int, world: int, port: int, work: str, cold: bool) -> None:
         root = Path(work)
         mesh = init_device_mesh("cpu", (world,))
         start = time.perf_counter()
-        state = shard_state(mesh, rank, world, TENSORS)
+        state = shard_state(mesh, rank, world, TENSORS if tensors is None else tensors)
         shards = [t.to_local() for t in state.values()]
         truth = _crcs(shards)
         build_s = time.perf_counter() - start
 
         def run(k: int, label: str, state: dict[str, Any]) -> dict[str, Any]:
-            """One step of repetition k on this rank; returns what the library reported."""
+            """One step of repetition k on this rank: what the library reported, and the step's peak RSS."""
+            reset_peak_rss()  # after timed_on_ranks' prefault: the peak is this step's own
+            before = proc_status()["VmRSS"]
+            out: dict[str, Any] = {}
             if label == "disk_write":
                 _write_plain(shards, root / f"plain-{k}" / f"rank{rank}.bin")
             elif label == "disk_read":
                 _read_plain(shards, root / f"plain-{k}" / f"rank{rank}.bin")
             elif label == "tm_save":
-                return {"bytes_written": tm.save(state, root / f"tm-{k}").bytes_written}
+                out["bytes_written"] = tm.save(state, root / f"tm-{k}").bytes_written
             elif label == "tm_load":
                 report = tm.load(root / f"tm-{k}", state)
-                return {"bytes_needed": report.bytes_needed, "bytes_read": report.bytes_read}
+                out.update(bytes_needed=report.bytes_needed, bytes_read=report.bytes_read)
             elif label == "dcp_save":
                 dcp.save(state, storage_writer=FileSystemWriter(root / f"dcp-{k}", sync_files=True))
             else:
                 dcp.load(state, storage_reader=FileSystemReader(root / f"dcp-{k}"))
-            return {}
+            status = proc_status()
+            return {**out, "peak_rss": status["VmHWM"], "peak_rss_growth": status["VmHWM"] - before}
 
         # imports and first-call setup of every step, off the clock, on a small state of the same kind
-        warm_state = shard_state(mesh, rank, world, {"w": ((1025, 64), "float32")})
+        warm_state = shard_state(mesh, rank, world, {"w": ((1025, 64), "float32"), "v": ((128, 128), "float32")})
         for label in ("tm_save", "dcp_save", "tm_load", "dcp_load"):
             run(-1, label, warm_state)
         dist.barrier()
@@ -152,9 +161,9 @@ def _worker(rank: int, world: int, port: int, work: str, cold: bool) -> None:
                 shutil.rmtree(root / sub)
 
         times: dict[str, list[float]] = {label: [] for label in STEPS}
-        reports: dict[str, list[Any]] = {}
+        reports: dict[str, list[list[Any]]] = {label: [] for label in STEPS}
         sizes: dict[str, int] = {}
-        for k in range(RUNS):
+        for k in range(runs):
             first, second = ("tm", "dcp") if k % 2 == 0 else ("dcp", "tm")
             for label in ("disk_write", f"{first}_save", f"{second}_save",
                           "disk_read", f"{first}_load", f"{second}_load"):
@@ -162,11 +171,13 @@ def _worker(rank: int, world: int, port: int, work: str, cold: bool) -> None:
                     for tensor in shards:
                         tensor.zero_()
                 seconds, results = timed_on_ranks(functools.partial(run, k, label, state),
-                                                  prefault_bytes=PREFAULT, cold=cold)
+                                                  prefault_bytes=prefault_bytes, cold=cold)
                 times[label].append(seconds)
-                reports.setdefault(label, results)
+                reports[label].append(results)
                 if label.endswith(("_load", "_read")) and _crcs(shards) != truth:
                     raise AssertionError(f"rank {rank}: {label} (run {k}) did not restore the saved shards")
+                if rank == 0:
+                    print(f"run {k} {label}: {fmt_s(seconds)}", flush=True)
             dist.barrier()
             if rank == 0:
                 for sub in ("plain", "tm", "dcp"):
@@ -183,6 +194,9 @@ def _worker(rank: int, world: int, port: int, work: str, cold: bool) -> None:
                 "build_s": build_s}))
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- driver
 
 
 # ---------------------------------------------------------------- driver
@@ -235,7 +249,7 @@ def main() -> None:
             note=f"{ratios['load_tm_fraction_of_disk']:.0%} of the disk's read rate, "
                  f"{rate['disk_read']:.2f} GB/s"),
     ]
-    tm_load = data["reports"]["tm_load"]
+    tm_load = data["reports"]["tm_load"][0]  # every repetition reads the same bytes: the first one's
     write_result(NAME, {
         "title": f"Sharded save and load of {fmt_bytes(total)} of DTensors on {RANKS} gloo ranks vs DCP",
         "runs": RUNS,
@@ -250,7 +264,7 @@ def main() -> None:
                     for n, (s, d) in TENSORS.items()],
         "steps": {label: {"what": names[label], "time_s": steps[label], "gb_per_s": rate[label]} for label in STEPS},
         "ratios": ratios,
-        "tm_save_bytes_written": [r["bytes_written"] for r in data["reports"]["tm_save"]],
+        "tm_save_bytes_written": [r["bytes_written"] for r in data["reports"]["tm_save"][0]],
         "tm_load": {"bytes_needed": [r["bytes_needed"] for r in tm_load],
                     "bytes_read": [r["bytes_read"] for r in tm_load]},
         "build_s": data["build_s"],

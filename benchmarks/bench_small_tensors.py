@@ -16,35 +16,27 @@ Per repetition, in one run (ours and DCP alternate which goes first):
 Every step starts from a flushed page cache (dropped when root: cold reads) and a prefault on each rank, with
 barriers on both sides; its time is the slowest rank's, and each rank's peak RSS over the step (VmHWM, reset after
 the prefault) is recorded. After every read and load, each rank's shards are checked against CRC-32C taken before the
-first save.
+first save. The ranks run bench_save_load's worker on this state.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import shutil
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from .bench_save_load import _crcs, _read_plain, _write_plain
+from .bench_save_load import _worker
 from .common import (
     GiB,
     drop_caches,
     fmt_bytes,
     fmt_s,
-    init_gloo,
     load_averages,
     print_table,
-    proc_status,
-    reset_peak_rss,
     row,
-    shard_state,
     spawn_ranks,
     summary,
-    timed_on_ranks,
     work_dir,
     write_result,
 )
@@ -62,94 +54,6 @@ TENSORS.update({f"optim.state.big.{i}.exp_avg": ((1024, 1024), "float32") for i 
 STEPS = ("disk_write", "tm_save", "dcp_save", "disk_read", "tm_load", "dcp_load")
 
 
-def _worker(rank: int, world: int, port: int, work: str, cold: bool) -> None:
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import tensormorph as tm
-
-    torch.set_num_threads(1)
-    init_gloo(rank, world, port)
-    try:
-        root = Path(work)
-        mesh = init_device_mesh("cpu", (world,))
-        start = time.perf_counter()
-        state = shard_state(mesh, rank, world, TENSORS)
-        shards = [t.to_local() for t in state.values()]
-        truth = _crcs(shards)
-        build_s = time.perf_counter() - start
-
-        def run(k: int, label: str, state: dict[str, Any]) -> dict[str, Any]:
-            """One step of repetition k on this rank: what the library reported, and the step's peak RSS."""
-            reset_peak_rss()  # after timed_on_ranks' prefault: the peak is this step's own
-            before = proc_status()["VmRSS"]
-            out: dict[str, Any] = {}
-            if label == "disk_write":
-                _write_plain(shards, root / f"plain-{k}" / f"rank{rank}.bin")
-            elif label == "disk_read":
-                _read_plain(shards, root / f"plain-{k}" / f"rank{rank}.bin")
-            elif label == "tm_save":
-                out["bytes_written"] = tm.save(state, root / f"tm-{k}").bytes_written
-            elif label == "tm_load":
-                report = tm.load(root / f"tm-{k}", state)
-                out.update(bytes_needed=report.bytes_needed, bytes_read=report.bytes_read)
-            elif label == "dcp_save":
-                dcp.save(state, storage_writer=FileSystemWriter(root / f"dcp-{k}", sync_files=True))
-            else:
-                dcp.load(state, storage_reader=FileSystemReader(root / f"dcp-{k}"))
-            status = proc_status()
-            return {**out, "peak_rss": status["VmHWM"], "peak_rss_growth": status["VmHWM"] - before}
-
-        # imports and first-call setup of every step, off the clock, on a small state of the same kind
-        warm_state = shard_state(mesh, rank, world, {"w": ((1025, 64), "float32"), "v": ((128, 128), "float32")})
-        for label in ("tm_save", "dcp_save", "tm_load", "dcp_load"):
-            run(-1, label, warm_state)
-        dist.barrier()
-        if rank == 0:
-            for sub in ("tm--1", "dcp--1"):
-                shutil.rmtree(root / sub)
-
-        times: dict[str, list[float]] = {label: [] for label in STEPS}
-        reports: dict[str, list[list[Any]]] = {label: [] for label in STEPS}
-        sizes: dict[str, int] = {}
-        for k in range(RUNS):
-            first, second = ("tm", "dcp") if k % 2 == 0 else ("dcp", "tm")
-            for label in ("disk_write", f"{first}_save", f"{second}_save",
-                          "disk_read", f"{first}_load", f"{second}_load"):
-                if label.endswith(("_load", "_read")):
-                    for tensor in shards:
-                        tensor.zero_()
-                seconds, results = timed_on_ranks(functools.partial(run, k, label, state),
-                                                  prefault_bytes=PREFAULT, cold=cold)
-                times[label].append(seconds)
-                reports[label].append(results)
-                if label.endswith(("_load", "_read")) and _crcs(shards) != truth:
-                    raise AssertionError(f"rank {rank}: {label} (run {k}) did not restore the saved shards")
-                if rank == 0:
-                    print(f"run {k} {label}: {fmt_s(seconds)}", flush=True)
-            dist.barrier()
-            if rank == 0:
-                for sub in ("plain", "tm", "dcp"):
-                    sizes.setdefault(sub, sum(p.stat().st_size for p in (root / f"{sub}-{k}").rglob("*")
-                                              if p.is_file()))
-                    shutil.rmtree(root / f"{sub}-{k}")
-            dist.barrier()
-        local_bytes = sum(t.numel() * t.element_size() for t in shards)
-        everyone = [None] * world
-        dist.all_gather_object(everyone, local_bytes)
-        if rank == 0:
-            (root / "result.json").write_text(json.dumps({
-                "times": times, "reports": reports, "file_bytes": sizes, "rank_bytes": everyone,
-                "build_s": build_s}))
-    finally:
-        dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------- driver
-
 def _peak(reports: list[list[dict[str, Any]]], key: str = "peak_rss") -> list[int]:
     """Each rank's largest `key` over the runs of one step."""
     return [max(run[r][key] for run in reports) for r in range(len(reports[0]))]
@@ -163,7 +67,7 @@ def main() -> None:
         print("WARNING: cannot drop the page cache (not root): loads and disk reads are warm", flush=True)
     loads_before, started = load_averages(), time.perf_counter()
     with work_dir(NAME) as work:
-        spawn_ranks(_worker, RANKS, str(work), cold)
+        spawn_ranks(_worker, RANKS, str(work), cold, TENSORS, RUNS, PREFAULT)
         data = json.loads((work / "result.json").read_text())
     wall_s = time.perf_counter() - started
 
