@@ -4,9 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean browser lint validate-plan
+.PHONY: demo test bench clean browser lint validate-plan native
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	# constraints.txt pins torch==2.13.0, the CPU wheel available offline on this machine kind.
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev,torch,web,browser-tests,s3,gguf,orbax,flax,pictures,notebook]"
@@ -23,13 +23,17 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "WARNING: could not install Debian's chromium; the browser tests will be skipped"
 
+# The native DCP metadata reader (setup.py), rebuilt in place when its source changed since the install.
+native: $(STAMP)
+	$(BIN)/python setup.py -q build_ext --inplace 2>/dev/null || echo "WARNING: the native reader did not build"
+
 # Lint, types and the layer contracts first: they take seconds and fail fast.
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: $(STAMP) browser lint
+test: $(STAMP) native browser lint
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

@@ -27,6 +27,12 @@ from tensormorph.formats import dcp_metadata
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.fixture(autouse=True)
+def _without_the_native_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the child and the in-process unpickler: the native reader (test_dcp_native) is off."""
+    monkeypatch.setattr(dcp_metadata, "_dcp_pickle", None)
+
+
 @pytest.fixture(scope="module")
 def wide_dcp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real dcp.save of 6,000 tensors of several dtypes and shapes plus objects: a .metadata over 1 MB."""

@@ -64,7 +64,7 @@ def validate_tiling(name: str, shape: tuple[int, ...], chunks: list[Chunk], *, f
     Raises ChunkLayoutError naming the tensor for chunks out of bounds, overlapping or leaving gaps.
     Empty chunks (a rank holding nothing, as torch.chunk leaves trailing ranks) are allowed.
     """
-    if any(not 0 <= n < MAX_DIM for n in shape):
+    if shape and not (min(shape) >= 0 and max(shape) < MAX_DIM):
         raise ChunkLayoutError(f"shape {shape} has a dimension outside [0, 2**62)", file=file, tensor=name)
     if len(chunks) == 1 and chunks[0].shape == shape and not any(chunks[0].offsets):
         return chunks  # one chunk holding the whole tensor: the common case, checked cheaply

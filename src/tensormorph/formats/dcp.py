@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
-from functools import cached_property, lru_cache, partial
+from dataclasses import dataclass
+from functools import lru_cache, partial
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -40,7 +40,7 @@ from ..errors import (
     UnsupportedError,
 )
 from ..pickle_work import KeyHashes
-from ..shapes import MAX_DIMS, MAX_OFFSET, check_offset, check_shape, describe
+from ..shapes import MAX_DIM, MAX_DIMS, MAX_OFFSET, check_offset, check_shape, describe
 from ..storage import AnyPath, ByteStore, entries, read_head, store_at
 from ..tiling import validate_tiling
 from ..units import human_bytes
@@ -84,17 +84,22 @@ class _Item(NamedTuple):  # a tuple: built once per item, 20,000 times for as ma
     transforms: tuple[str, ...]
 
 
-@dataclass(frozen=True)
 class DcpItemArray:
-    """A tensor chunk stored as a torch.save archive at (offset, length) of a .distcp file."""
+    """A tensor chunk stored as a torch.save archive at (offset, length) of a .distcp file.
 
-    files: ByteStore
-    item: _Item
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    budget: int = DEFAULT_READ_BUDGET  # a compressed item is decompressed whole: its chunk must fit this
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    A slotted class, not a dataclass: an open makes one per chunk (20,000 for as many tensors), and the dataclass's
+    frozen __init__ took a sixth of that open."""
+
+    __slots__ = ("files", "item", "name", "dtype", "shape", "budget", "_mapped_array")
+
+    def __init__(self, files: ByteStore, item: _Item, name: str, dtype: str, shape: tuple[int, ...],
+                 budget: int = DEFAULT_READ_BUDGET) -> None:
+        self.files, self.item, self.name, self.dtype, self.shape = files, item, name, dtype, shape
+        self.budget = budget  # a compressed item is decompressed whole: its chunk must fit this
+        self._mapped_array: MappedArray | None = None
+
+    def __repr__(self) -> str:
+        return f"DcpItemArray({self.item.file!r}, [{self.item.offset}, +{self.item.length}), {self.name!r})"
 
     @property
     def reads_regions(self) -> bool:
@@ -102,7 +107,9 @@ class DcpItemArray:
         return not self.item.transforms
 
     def with_budget(self, budget: int) -> DcpItemArray:
-        return replace(self, budget=budget, _cache={}) if self.item.transforms else self
+        if not self.item.transforms:
+            return self
+        return DcpItemArray(self.files, self.item, self.name, self.dtype, self.shape, budget)
 
     def array(self) -> np.ndarray:
         if not self.item.transforms:
@@ -123,12 +130,12 @@ class DcpItemArray:
 
     def _mapped(self) -> MappedArray:
         """The tensor inside an uncompressed item, as an array mapped straight from the data file."""
-        mapped = self._cache.get("mapped")
+        mapped = self._mapped_array
         if mapped is None:
             ref = self._parse(self.archive())
             mapped = MappedArray(self.files, self.item.file, self.item.offset + ref.offset,
                                  dtypes.numpy_dtype(ref.dtype), ref.shape, None if ref.is_contiguous else ref.stride)
-            self._cache["mapped"] = mapped
+            self._mapped_array = mapped
         return mapped
 
     def archive(self) -> torchzip.Sliceable:
@@ -148,8 +155,8 @@ class DcpItemArray:
                               f"{self.dtype}{list(self.shape)}", file=self._path, tensor=self.name)
         return ref
 
-    @cached_property
-    def _path(self) -> str:
+    @property
+    def _path(self) -> str:  # for errors only
         return self.files.describe(self.item.file)
 
 
@@ -234,25 +241,35 @@ def _parse(files: ByteStore, metadata_names: list[str], where: str) -> _Parsed:
     hashes = KeyHashes(file=where)  # offsets tuples can be made to share one hash: counted before the dict hashes them
     more_chunks: dict[str, list[Any]] = {}  # per-rank metadata files' chunks, joined once: linear in the files
     for summary in summaries:
-        for entry in summary["entries"]:
-            known = state.get(entry[0])
-            if known is None:
-                state[entry[0]] = entry
-            elif known[1] != entry[1]:
-                raise HeaderError(f"the metadata files declare it both as {known[1]} and as {entry[1]}", file=where,
-                                  tensor=entry[0])
-            elif entry[1] == TENSOR_ENTRY:
-                more_chunks.setdefault(entry[0], []).extend(entry[4])
-        items = [(_storage_key(fqn, offset, where), (relative, begin, length, transforms))
-                 for fqn, offset, relative, begin, length, transforms in summary["storage"]]
-        hashes.admit((key for key, _ in items), into=storage)
-        for relative in {info[0] for _, info in items}:
+        if not state:  # the first file's names are distinct: a summary lists a dict's keys
+            state = {entry[0]: entry for entry in summary["entries"]}
+        else:
+            _merge_entries(state, summary["entries"], more_chunks, where)
+        keys, items = [], []
+        for fqn, offset, relative, begin, length, transforms in summary["storage"]:
+            keys.append((fqn, None) if offset is None else _storage_key(fqn, offset, where))
+            items.append(_item(relative, begin, length, transforms, where, fqn))
+        hashes.admit(keys, into=storage)
+        for relative in {item.file for item in items}:
             files.describe(relative, referrer=where)  # refuses a file outside the folder, naming the metadata file
-        for key, info in items:
-            storage[key] = _item(*info, where, key[0])
+        storage.update(zip(keys, items))
     for fqn, chunks in more_chunks.items():
         state[fqn][4] = state[fqn][4] + chunks
     return _Parsed(summaries, state, storage)
+
+
+def _merge_entries(state: dict[str, list[Any]], entries: list[list[Any]], more_chunks: dict[str, list[Any]],
+                   where: str) -> None:
+    """Another (per-rank) metadata file's entries: new names added, a tensor's chunks gathered into more_chunks."""
+    for entry in entries:
+        known = state.get(entry[0])
+        if known is None:
+            state[entry[0]] = entry
+        elif known[1] != entry[1]:
+            raise HeaderError(f"the metadata files declare it both as {known[1]} and as {entry[1]}", file=where,
+                              tensor=entry[0])
+        elif entry[1] == TENSOR_ENTRY:
+            more_chunks.setdefault(entry[0], []).extend(entry[4])
 
 
 def checksum_problems(checkpoint: Checkpoint) -> Iterator[tuple[str, CheckpointError | None]]:
@@ -336,17 +353,23 @@ def _check_disjoint(storage: dict[tuple[str, tuple[int, ...] | None], _Item], fi
 
 def _storage_key(fqn: str, offset: Any, where: str) -> tuple[str, tuple[int, ...] | None]:
     # only looked up, never computed with: any int64 passes (a negative one matches no chunk and is left unread)
-    if offset is not None and (not isinstance(offset, list) or len(offset) > MAX_DIMS
-                               or not all(type(v) is int and -MAX_OFFSET <= v < MAX_OFFSET for v in offset)):
-        raise HeaderError(f"MetadataIndex.offset must be at most {MAX_DIMS} 64-bit integers, found {describe(offset)}",
-                          file=where, tensor=fqn)
-    return fqn, None if offset is None else tuple(offset)
+    if offset is None:
+        return fqn, None
+    if type(offset) is list and len(offset) <= MAX_DIMS:
+        for v in offset:
+            if type(v) is not int or not -MAX_OFFSET <= v < MAX_OFFSET:
+                break
+        else:
+            return fqn, tuple(offset)
+    raise HeaderError(f"MetadataIndex.offset must be at most {MAX_DIMS} 64-bit integers, found {describe(offset)}",
+                      file=where, tensor=fqn)
 
 
 def _item(relative: str, begin: Any, length: Any, transforms: list[str], where: str, fqn: str) -> _Item:
-    offset = check_offset(begin, file=where, tensor=fqn, what="storage offset")
-    length = check_offset(length, file=where, tensor=fqn, what="storage length")
-    return _Item(relative, offset, length, tuple(transforms))
+    if type(begin) is not int or type(length) is not int or not (0 <= begin < MAX_OFFSET and 0 <= length < MAX_OFFSET):
+        begin = check_offset(begin, file=where, tensor=fqn, what="storage offset")
+        length = check_offset(length, file=where, tensor=fqn, what="storage length")
+    return _Item(relative, begin, length, tuple(transforms) if transforms else ())
 
 
 @lru_cache(maxsize=4096)
@@ -356,18 +379,30 @@ def _ranks_of(file: str) -> tuple[int, ...]:
     return (int(match.group(1)),) if match else ()
 
 
+def _dims(values: Any, where: str, fqn: str, what: str) -> tuple[int, ...]:
+    """check_shape, with its common case (a short list of valid integers) inline: it runs three times a tensor."""
+    if type(values) is list and len(values) <= MAX_DIMS:
+        for d in values:
+            if type(d) is not int or not 0 <= d < MAX_DIM:
+                break
+        else:
+            return tuple(values)
+    return check_shape(values, file=where, tensor=fqn, what=what)
+
+
 def _tensor(fqn: str, entry: list[Any], storage: dict, files: ByteStore, where: str) -> LogicalTensor:
     _, _, dtype_name, size, chunk_entries = entry
     dtype = _dtype_of(dtype_name, where, fqn)
-    shape = check_shape(size, file=where, tensor=fqn, what="size")
+    shape = _dims(size, where, fqn, "size")
+    itemsize = dtypes.itemsize(dtype)
     chunks = []
     for chunk_offsets, chunk_sizes in chunk_entries:
-        offsets = check_shape(chunk_offsets, file=where, tensor=fqn, what="chunk offsets")
-        sizes = check_shape(chunk_sizes, file=where, tensor=fqn, what="chunk sizes")
+        offsets = _dims(chunk_offsets, where, fqn, "chunk offsets")
+        sizes = _dims(chunk_sizes, where, fqn, "chunk sizes")
         item = storage.get((fqn, offsets))
         if item is None:
             raise HeaderError(f"chunk at offsets {list(offsets)} has no storage entry", file=where, tensor=fqn)
-        nbytes = math.prod(sizes) * dtypes.itemsize(dtype)
+        nbytes = math.prod(sizes) * itemsize
         if not item.transforms and nbytes > item.length:
             raise TruncatedFileError(f"chunk at offsets {list(offsets)} declares {describe(nbytes)} bytes, but its "
                                      f"item is only {item.length} bytes long",
@@ -375,4 +410,6 @@ def _tensor(fqn: str, entry: list[Any], storage: dict, files: ByteStore, where: 
         source = DcpItemArray(files, item, fqn, dtype, sizes)
         chunks.append(Chunk(offsets, sizes, item.file, (item.offset, item.offset + item.length), source,
                             _ranks_of(item.file)))
+    if len(chunks) == 1 and chunks[0].shape == shape and not any(chunks[0].offsets):
+        return LogicalTensor(fqn, dtype, shape, (chunks[0],))  # one chunk, the whole tensor: nothing to tile
     return LogicalTensor(fqn, dtype, shape, tuple(validate_tiling(fqn, shape, chunks, file=where)))

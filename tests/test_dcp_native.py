@@ -1,0 +1,170 @@
+"""The native `.metadata` reader (formats/_dcp_pickle.c): exactly the child's summary, or it declines.
+
+On every real DCP checkpoint it must give, bit for bit, the summary of the C unpickler in the limited child. On any
+other bytes it may only give that same summary or decline (None); then the general path reads the file and names
+what is wrong with it. Its bounds hold whatever the bytes: memory, the memo, keys, nesting."""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from hostile_support import FUZZ, PAYLOADS, edits, load_metadata, mutate, outcome
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_dcp_metadata_child import real_metadata, wide_dcp  # noqa: F401  (a fixture)
+from test_hostile_pickle_work import colliding_pairs, items
+
+import tensormorph as tm
+from tensormorph import safe_pickle
+from tensormorph.errors import HeaderError, UnsafePickleError
+from tensormorph.formats import dcp_metadata, dcp_summary
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(dcp_metadata._dcp_pickle is None,
+                                 reason="NATIVE READER NOT BUILT: no C compiler when the package was installed")]
+
+
+def native(blob: bytes, memory: int = 1 << 30) -> dict | None:
+    return dcp_metadata._dcp_pickle.summarize(blob, dcp_metadata._native_allowlist(),
+                                              safe_pickle.expansion_budget(len(blob)), memory,
+                                              dcp_summary.STATE_RECORDS)
+
+
+def test_real_checkpoints_read_natively_as_the_child_reads_them(
+        wide_dcp: Path, dcp_ckpt: Path, dcp_zstd_ckpt: Path, dcp_per_rank_ckpt: Path,  # noqa: F811
+        dcp_llama_2d: Path, dcp_seed: Path) -> None:
+    blobs = real_metadata([wide_dcp, dcp_ckpt, dcp_zstd_ckpt, dcp_per_rank_ckpt, dcp_llama_2d, dcp_seed])
+    assert len(blobs) == 9
+    for blob in blobs:
+        summary = dcp_metadata.native_summary(blob)
+        assert summary is not None  # DCP's own files are never declined
+        assert summary == dcp_metadata.summary_in_child(blob, "x/.metadata")
+        assert summary == dcp_metadata.summary_in_process(blob, "x/.metadata")
+
+
+def test_open_reads_the_same_checkpoint_with_and_without_the_native_reader(
+        dcp_llama_2d: Path, dcp_zstd_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for folder in (dcp_llama_2d, dcp_zstd_ckpt):
+        with tm.open(folder, "dcp") as ck:
+            fast = {n: (t.dtype, t.shape, [(c.offsets, c.shape, c.file, c.byte_range) for c in t.chunks])
+                    for n, t in ck.tensors.items()}
+            fast_values = {n: ck[n].full().tobytes() for n in list(ck)[:8]}
+            fast_metadata = ck.metadata
+        with monkeypatch.context() as patched:
+            patched.setattr(dcp_metadata, "_dcp_pickle", None)
+            with tm.open(folder, "dcp") as ck:
+                assert {n: (t.dtype, t.shape, [(c.offsets, c.shape, c.file, c.byte_range) for c in t.chunks])
+                        for n, t in ck.tensors.items()} == fast
+                assert {n: ck[n].full().tobytes() for n in list(ck)[:8]} == fast_values
+                assert ck.metadata == fast_metadata
+
+
+@settings(FUZZ, max_examples=150)
+@given(data=st.data())
+def test_mutated_metadata_gives_the_childs_summary_or_is_declined(dcp_seed: Path, data: st.DataObject) -> None:
+    seed = (dcp_seed / ".metadata").read_bytes()
+    blob = mutate(seed, data.draw(edits(len(seed))))
+    mine = native(blob)
+    if mine is None:
+        return
+    assert mine == outcome(lambda: dcp_metadata.summary_in_process(blob, "s/.metadata"))
+
+
+@settings(FUZZ, max_examples=300)
+@given(blob=st.binary(max_size=300), opcodes=st.lists(st.sampled_from(
+    [b"\x80\x04", b"N", b"}", b"]", b")", b"(", b"t", b"\x85", b"\x86", b"a", b"e", b"s", b"u", b"\x94", b"h\x00",
+     b"h\x01", b"q\x00", b"q\x05", b"K\x07", b"J\xff\xff\xff\xff", b"\x8a\x01\x80", b"\x8c\x01a", b"\x8c\x01\xff",
+     b"\x93", b"\x81", b"R", b"b", b"."]), max_size=60))
+def test_any_bytes_give_the_in_process_summary_or_are_declined(blob: bytes, opcodes: list[bytes]) -> None:
+    """Random bytes, and random runs of the opcodes it reads, never crash it: it declines, or agrees."""
+    for candidate in (blob, b"".join(opcodes)):
+        mine = native(candidate)
+        if mine is not None:
+            assert mine == outcome(lambda c=candidate: dcp_metadata.summary_in_process(c, "s/.metadata"))
+
+
+@pytest.mark.parametrize("forged", [
+    pytest.param(b"\x80\x04N" + b"r" + struct.pack("<I", 0xFFFFFFF0) + b".", id="LONG_BINPUT 2**32"),
+    pytest.param(b"\x80\x04N" + b"h\x05.", id="BINGET of an unset slot"),
+    pytest.param(b"\x80\x04X" + struct.pack("<I", 0xFFFFFFF0) + b"xy.", id="BINUNICODE past the end"),
+    pytest.param(b"\x80\x04\x8d" + struct.pack("<Q", 1 << 62) + b"xy.", id="BINUNICODE8 of 2**62 bytes"),
+    pytest.param(b"\x80\x04\x95" + struct.pack("<Q", 1 << 40) + b"N.", id="FRAME past the end"),
+    pytest.param(b"\x80\x04}(K\x01N\x8a\x08" + struct.pack("<q", 2**61 - 1 + 1) + b"Nu.", id="an int key"),
+    pytest.param(b"\x80\x04" + b"]" * 5000 + b"a" * 4999 + b".", id="lists nested 5,000 deep"),
+])
+def test_forged_or_unsupported_pickles_are_declined(forged: bytes) -> None:
+    assert native(forged) is None
+
+
+def test_a_global_off_the_allowlist_is_declined_and_refused_by_the_general_path(tmp_path: Path) -> None:
+    for case in ("STACK_GLOBAL os.system", "GLOBAL os.system", "subprocess.Popen"):
+        name, build = PAYLOADS[case]
+        payload = build(tmp_path / "ran")
+        assert native(payload) is None
+        with pytest.raises(UnsafePickleError, match=name):
+            dcp_metadata.read_summary(_Bytes(payload), ".metadata")
+        assert not (tmp_path / "ran").exists()
+
+
+def test_keys_of_one_hash_value_are_declined_without_hashing_them() -> None:
+    """60,000 integer keys sharing one hash value: the native reader takes only strings and records as keys."""
+    forged = b"\x80\x02}(" + items(colliding_pairs(60_000)) + b"u."
+    assert native(forged) is None
+
+
+def test_memory_past_the_limit_is_declined() -> None:
+    """Many values in a small pickle: past the memory it was given, the reader declines (the child, limited, then
+    reads the file)."""
+    blob = b"\x80\x04](" + b"]" * 200_000 + b"e."  # 200,000 empty lists in one list
+    assert native(blob, memory=1 << 20) is None
+    assert native(blob) is None  # a list is no DCP Metadata, whatever the memory
+
+
+def test_shared_references_cannot_expand_the_summary(dcp_seed: Path) -> None:
+    """2,000 names that all refer to one entry of 5,000 chunks: declined by the walk's budget, and the general path
+    gives its error."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    metadata = load_metadata(dcp_seed)
+    entry = metadata.state_dict_metadata["w"]
+    entry.chunks = [ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, 6])) for i in range(5000)]
+    for i in range(2000):
+        metadata.state_dict_metadata[f"alias.{i}"] = entry
+    blob = pickle.dumps(metadata, protocol=4)
+    assert native(blob) is None
+    with pytest.raises(HeaderError, match="expands to more than"):
+        dcp_metadata.read_summary(_Bytes(blob), ".metadata")
+
+
+def test_a_key_set_twice_keeps_its_first_place_and_last_value(dcp_seed: Path) -> None:
+    """DCP's dicts as a dict holds them: a name set again (a forged file) keeps its first place and last value."""
+    blob = (dcp_seed / ".metadata").read_bytes()
+    names = list(load_metadata(dcp_seed).state_dict_metadata)
+    assert names.index("w") < names.index("h")
+    at = blob.index(b"\x8c\x01h")  # the state dict's key "h", named "w" again
+    forged = blob[:at] + b"\x8c\x01w" + blob[at + 3:]
+    mine = native(forged)
+    assert mine is not None
+    assert mine == dcp_metadata.summary_in_process(forged, "s/.metadata")
+    assert [e[0] for e in mine["entries"]] == [n for n in names if n != "h"]
+    assert mine["entries"][0][2] == "bfloat16"  # "w" now holds what "h" declared
+
+
+class _Bytes:
+    """The ByteStore read_summary needs, over bytes in memory."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def describe(self, name: str) -> str:
+        return f"mem/{name}"
+
+    def size(self, name: str) -> int:
+        return len(self.data)
+
+    def read(self, name: str, offset: int, size: int) -> bytes:
+        return self.data[offset:offset + size]
