@@ -168,3 +168,35 @@ class _Bytes:
 
     def read(self, name: str, offset: int, size: int) -> bytes:
         return self.data[offset:offset + size]
+
+
+def test_a_tensor_of_100000_chunks_reads_natively(tmp_path: Path) -> None:
+    """One tensor split into 100,000 chunks (DCP's own records, pickled as dcp.save does): read natively, equal to
+    the child's summary, and opened with every chunk in place (a quadratic step would time the test out)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    count, row = 100_000, 16
+    chunks = [ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, 4])) for i in range(count)]
+    entry = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([count, 4]), chunks)
+    storage = {MetadataIndex("w", torch.Size([i, 0])): _StorageInfo("__0_0.distcp", i * row, row)
+               for i in range(count)}
+    blob = pickle.dumps(Metadata({"w": entry}, storage_data=storage), protocol=4)
+    summary = native(blob)
+    assert summary is not None and len(summary["entries"][0][4]) == count == len(summary["storage"])
+    assert summary == dcp_metadata.summary_in_child(blob, "x/.metadata")
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(blob)
+    (folder / "__0_0.distcp").write_bytes(bytes(count * row))
+    with tm.open(folder, "dcp") as ck:
+        chunks_read = ck["w"].chunks
+        assert len(chunks_read) == count
+        assert [c.offsets for c in chunks_read[:3]] == [(0, 0), (1, 0), (2, 0)]
+        assert chunks_read[-1].byte_range == ((count - 1) * row, count * row)
