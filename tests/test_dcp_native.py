@@ -46,6 +46,23 @@ def test_real_checkpoints_read_natively_as_the_child_reads_them(
         assert summary == dcp_metadata.summary_in_process(blob, "x/.metadata")
 
 
+def test_megatron_save_plans_read_natively_as_the_child_reads_them() -> None:
+    """Megatron-Core's dist_checkpointing keeps every rank's save plan in the metadata (enums called with their
+    value): read natively too, equal to the child's summary."""
+    from fixtures import megatron_builders
+    from fixtures.cache import cached_build
+
+    single = cached_build("megatron", megatron_builders, lambda folder: megatron_builders.build(folder / "ckpt"))
+    tp_dp = cached_build("megatron-tp-dp", megatron_builders, megatron_builders.build_tp_dp)
+    blobs = real_metadata([single / "ckpt", tp_dp / megatron_builders.FULLY_PARALLEL,
+                           tp_dp / megatron_builders.MAIN_REPLICAS])
+    assert len(blobs) == 3 and all(b"all_local_plans" in blob for blob in blobs)
+    for blob in blobs:
+        summary = dcp_metadata.native_summary(blob)
+        assert summary is not None
+        assert summary == dcp_metadata.summary_in_child(blob, "x/.metadata")
+
+
 def test_open_reads_the_same_checkpoint_with_and_without_the_native_reader(
         dcp_llama_2d: Path, dcp_zstd_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for folder in (dcp_llama_2d, dcp_zstd_ckpt):

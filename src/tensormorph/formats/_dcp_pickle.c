@@ -295,16 +295,28 @@ static int stack_global(Reader *r) {
     return push(r, g);
 }
 
-static int newobj(Reader *r) {
+static Val *new_record(Reader *r, Val *cls) {
+    Val *record = new_val(r, V_RECORD);
+    if (!record) return NULL;
+    record->u.r.kind = cls->u.g.arg;
+    int contained = PySequence_Contains(r->state_kinds, record->u.r.kind);
+    if (contained < 0) return NULL;
+    record->state_record = (unsigned char)contained;
+    return record;
+}
+
+static int newobj(Reader *r) {  /* cls.__new__(cls): a record with no fields */
     Val *args = pop(r), *cls = args ? pop(r) : NULL;
     if (!cls) return -1;
     if (cls->kind != V_GLOBAL || cls->u.g.code != G_RECORD || args->kind != V_TUPLE || args->u.v.len) DECLINE_INT(r);
-    Val *record = new_val(r, V_RECORD);
-    if (!record) return -1;
-    record->u.r.kind = cls->u.g.arg;
-    int contained = PySequence_Contains(r->state_kinds, record->u.r.kind);
-    if (contained < 0) return -1;
-    record->state_record = contained;
+    return push(r, new_record(r, cls));
+}
+
+static int call_record(Reader *r, Val *cls, Val *args) {  /* cls(*args), an enum in a save plan: `.args` kept */
+    Val *record = new_record(r, cls), *name = record ? new_val(r, V_PYSTR) : NULL;
+    if (!name) return -1;
+    name->u.o = ARGS_NAME;
+    if (vec_push(r, &record->u.r.fields, name) < 0 || vec_push(r, &record->u.r.fields, args) < 0) return -1;
     return push(r, record);
 }
 
@@ -332,6 +344,7 @@ static int reduce(Reader *r) {  /* the calls DCP pickles: torch.Size(tuple), _ge
     Val *args = pop(r), *call = args ? pop(r) : NULL;
     if (!call) return -1;
     if (call->kind == V_GLOBAL && call->u.g.code == G_PATH && args->kind == V_TUPLE) return join_path(r, call, args);
+    if (call->kind == V_GLOBAL && call->u.g.code == G_RECORD && args->kind == V_TUPLE) return call_record(r, call, args);
     if (call->kind != V_GLOBAL || args->kind != V_TUPLE || args->u.v.len != 1) DECLINE_INT(r);
     Val *arg = args->u.v.items[0];
     int code = call->u.g.code;
