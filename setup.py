@@ -2,5 +2,7 @@
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("tensormorph.formats._dcp_pickle", ["src/tensormorph/formats/_dcp_pickle.c"],
-                             optional=True)])
+NATIVE = "csrc/dcp_pickle"  # the sources of tensormorph.formats._dcp_pickle
+
+setup(ext_modules=[Extension("tensormorph.formats._dcp_pickle", [f"{NATIVE}/machine.c", f"{NATIVE}/summary.c"],
+                             depends=[f"{NATIVE}/reader.h"], optional=True)])

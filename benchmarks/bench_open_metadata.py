@@ -2,7 +2,7 @@
 
 Targets (issue 17): HF-sharded cold <= 0.6 s (warm < 1 s); DCP <= 0.5x the time of DCP's own read_metadata, cold
 and warm (a ratio >= 2). A DCP .metadata of 20,000 tensors (4.7 MB) is read by the native reader
-(formats/_dcp_pickle.c); `--no-native` times the general path instead (the C unpickler in a limited child process,
+(csrc/dcp_pickle/); `--no-native` times the general path instead (the C unpickler in a limited child process,
 formats/dcp_metadata.py), as on a machine where the package was installed without a C compiler, and prints
 without writing the results file.
 

@@ -1,4 +1,4 @@
-"""The native `.metadata` reader (formats/_dcp_pickle.c): exactly the child's summary, or it declines.
+"""The native `.metadata` reader (formats._dcp_pickle, from csrc/dcp_pickle/): the child's summary, or it declines.
 
 On every real DCP checkpoint it must give, bit for bit, the summary of the C unpickler in the limited child. On any
 other bytes it may only give that same summary or decline (None); then the general path reads the file and names
@@ -217,3 +217,37 @@ def test_a_tensor_of_100000_chunks_reads_natively(tmp_path: Path) -> None:
         assert len(chunks_read) == count
         assert [c.offsets for c in chunks_read[:3]] == [(0, 0), (1, 0), (2, 0)]
         assert chunks_read[-1].byte_range == ((count - 1) * row, count * row)
+
+
+def _text(value: str) -> bytes:
+    raw = value.encode()
+    return b"\x8c" + bytes([len(raw)]) + raw  # SHORT_BINUNICODE
+
+
+METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+
+
+@pytest.mark.parametrize("case", ["a frame ending inside an opcode", "invalid UTF-8 in a field's name",
+                                  "a __setstate__ field", "path joins of 100,000 parts each"])
+def test_what_the_c_unpickler_reads_otherwise_is_declined(dcp_seed: Path, case: str) -> None:
+    """Inputs on which the C unpickler misreads, fails or works quadratically (found by review): declined, so that
+    the general path gives its answer."""
+    seed = (dcp_seed / ".metadata").read_bytes()
+    if case == "a frame ending inside an opcode":  # the C unpickler drops the frame's rest and misreads what follows
+        assert seed[2] == 0x95  # FRAME, then its 8-byte length
+        inside = seed.index(b"\x8c", 40) + 3  # within a short string's bytes
+        blob = seed[:3] + struct.pack("<Q", inside - 11) + seed[11:]
+    elif case == "invalid UTF-8 in a field's name":  # the C unpickler decodes every string, read or not
+        blob = seed.replace(b"\x8c\x0aproperties", b"\x8c\x0aprop\xderties")
+    elif case == "a __setstate__ field":  # makes the C unpickler call it on a later BUILD of the same record
+        record = _text(METADATA_MODULE) + _text("Metadata") + b"\x93)\x81"
+        shadow = _text("__setstate__") + _text("torch") + _text("Size") + b"\x93"
+        empty = _text("state_dict_metadata") + b"}" + _text("storage_data") + b"}"
+        entry = _text("x") + _text(METADATA_MODULE) + _text("BytesStorageMetadata") + b"\x93)\x81"
+        blob = (b"\x80\x04" + record + b"}(" + shadow + empty + b"ub"
+                + b"}(" + _text("state_dict_metadata") + b"}(" + entry + b"uub.")
+    else:  # each REDUCE of pathlib.PosixPath on a shared tuple of 100,000 parts would join them all
+        blob = (b"\x80\x04" + _text("a") + b"\x94" + _text("pathlib") + _text("PosixPath") + b"\x93\x94"
+                + b"(" + b"h\x00" * 100_000 + b"t\x94" + b"h\x01h\x02R" * 40 + b".")
+    assert blob != seed
+    assert native(blob) is None

@@ -1,15 +1,15 @@
 """Reading one DCP `.metadata` into its summary (dcp_summary): natively, in process, or in a limited child process.
 
-`.metadata` is a pickle of DCP's dataclasses. The native reader (_dcp_pickle.c, built with the package where a C
-compiler is) reads what DCP writes, in a bounded subset of the pickle machine, straight into the summary, and
-declines anything else; it is several times faster than DCP's own read_metadata. What it declines, and every
-file where it was not built, is read as follows. A small one is read in process by safe_pickle's allowlist
-unpickler, which bounds its own work. A large one (20,000 tensors is about 5 MB) is read by CPython's C unpickler,
-about four times faster, in a child process (`python -I -S`: no site packages, no environment) under RLIMIT_CPU
-and RLIMIT_AS, with the same allowlist. The C unpickler's known attacks (a LONG_BINPUT index that makes it allocate
-a memo of that size, keys of one hash value that make filling a dict quadratic) there end as the child's limits,
-and are reported as a HeaderError naming the file. All paths give the same summary, which the reader then
-validates field by field.
+`.metadata` is a pickle of DCP's dataclasses. The native reader (_dcp_pickle, from csrc/dcp_pickle/, built with
+the package where a C compiler is) reads what DCP writes, in a bounded subset of the pickle machine, straight into
+the summary, and declines anything else; it is several times faster than DCP's own read_metadata. What it
+declines, and every file where it was not built, is read as follows. A small one is read in process by
+safe_pickle's allowlist unpickler, which bounds its own work. A large one (20,000 tensors is about 5 MB) is read by
+CPython's C unpickler, about four times faster, in a child process (`python -I -S`: no site packages, no
+environment) under RLIMIT_CPU and RLIMIT_AS, with the same allowlist. The C unpickler's known attacks (a
+LONG_BINPUT index that makes it allocate a memo of that size, keys of one hash value that make filling a dict
+quadratic) there end as the child's limits, and are reported as a HeaderError naming the file. All paths give the
+same summary, which the reader then validates field by field.
 """
 
 from __future__ import annotations
