@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -135,6 +136,8 @@ _NATIVE_CALLS = {"tuple": 3, "str": 4, "int": 5, "path": 7}  # the calls DCP pic
 _NATIVE_OTHER_CALL = 6
 
 
+@cache  # made once: it holds only names and codes (the reader reads it, never changes it), and building it took
+# half of opening a small checkpoint
 def _native_allowlist() -> dict[tuple[str, str], tuple[int, Any]]:
     """child_allowlist() as the native reader's table: (module, name) -> (code, argument); a path's argument is
     the function that joins its parts."""
