@@ -25,7 +25,9 @@ browser:
 
 # The native DCP metadata reader (setup.py), rebuilt in place when its source changed since the install.
 native: $(STAMP)
-	$(BIN)/python setup.py -q build_ext --inplace 2>/dev/null || echo "WARNING: the native reader did not build"
+	@$(BIN)/python setup.py -q build_ext --inplace >/dev/null 2>&1; \
+		$(BIN)/python -c "import tensormorph.formats._dcp_pickle" 2>/dev/null \
+		|| echo "WARNING: the native DCP reader did not build (no C compiler?): DCP metadata is read the slower way"
 
 # Lint, types and the layer contracts first: they take seconds and fail fast.
 lint: $(STAMP)

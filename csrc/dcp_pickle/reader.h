@@ -40,7 +40,8 @@
 
 typedef enum { V_NONE, V_BOOL, V_INT, V_FLOAT, V_STR, V_PYSTR, V_TUPLE, V_LIST, V_DICT, V_RECORD, V_GLOBAL,
                V_DTYPE } Kind;
-/* the allowlist's codes (dcp_metadata): G_PATH's argument is the Python function that joins a path's parts */
+/* the allowlist's codes, as dcp_metadata._NATIVE_CODES and _NATIVE_CALLS give them (keep the two alike);
+   G_PATH's argument is the Python function that joins a path's parts */
 enum { G_RECORD, G_DTYPE, G_CONST, G_TUPLE, G_STR, G_INT, G_OTHER, G_PATH };
 
 typedef struct Val Val;

@@ -66,7 +66,8 @@ def validate_tiling(name: str, shape: tuple[int, ...], chunks: list[Chunk], *, f
     """
     if shape and not (min(shape) >= 0 and max(shape) < MAX_DIM):
         raise ChunkLayoutError(f"shape {shape} has a dimension outside [0, 2**62)", file=file, tensor=name)
-    if len(chunks) == 1 and chunks[0].shape == shape and not any(chunks[0].offsets):
+    if len(chunks) == 1 and chunks[0].shape == shape and len(chunks[0].offsets) == len(shape) \
+            and not any(chunks[0].offsets):
         return chunks  # one chunk holding the whole tensor: the common case, checked cheaply
     for chunk in chunks:
         if len(chunk.offsets) != len(shape) or len(chunk.shape) != len(shape):

@@ -366,6 +366,7 @@ def _storage_key(fqn: str, offset: Any, where: str) -> tuple[str, tuple[int, ...
 
 
 def _item(relative: str, begin: Any, length: Any, transforms: list[str], where: str, fqn: str) -> _Item:
+    # check_offset's test inline (it runs once per item), and check_offset itself only to name what is wrong
     if type(begin) is not int or type(length) is not int or not (0 <= begin < MAX_OFFSET and 0 <= length < MAX_OFFSET):
         begin = check_offset(begin, file=where, tensor=fqn, what="storage offset")
         length = check_offset(length, file=where, tensor=fqn, what="storage length")
@@ -410,6 +411,4 @@ def _tensor(fqn: str, entry: list[Any], storage: dict, files: ByteStore, where: 
         source = DcpItemArray(files, item, fqn, dtype, sizes)
         chunks.append(Chunk(offsets, sizes, item.file, (item.offset, item.offset + item.length), source,
                             _ranks_of(item.file)))
-    if len(chunks) == 1 and chunks[0].shape == shape and not any(chunks[0].offsets):
-        return LogicalTensor(fqn, dtype, shape, (chunks[0],))  # one chunk, the whole tensor: nothing to tile
     return LogicalTensor(fqn, dtype, shape, tuple(validate_tiling(fqn, shape, chunks, file=where)))

@@ -131,6 +131,7 @@ NATIVE_MEMORY_PER_BYTE = 32
 """The native reader's values may take this many bytes per byte of pickle (a real `.metadata` takes about 12), plus
 CHILD_MEMORY, at most CHILD_MEMORY_SHARE of the machine; past that it declines, and the child, limited, reads it."""
 
+# the native reader's codes: they must match the G_ enum in csrc/dcp_pickle/reader.h
 _NATIVE_CODES = {"record": 0, "dtype": 1, "const": 2}
 _NATIVE_CALLS = {"tuple": 3, "str": 4, "int": 5, "path": 7}  # the calls DCP pickles; any other declines when called
 _NATIVE_OTHER_CALL = 6
@@ -152,7 +153,7 @@ def native_summary(data: bytes) -> dict[str, Any] | None:
     """The summary by the native reader, or None where it declines the file (or was not built)."""
     if _dcp_pickle is None:
         return None
-    memory = min(CHILD_MEMORY + NATIVE_MEMORY_PER_BYTE * len(data), max(CHILD_MEMORY, _machine_memory_share()))
+    memory = _memory_limit(NATIVE_MEMORY_PER_BYTE, len(data))
     try:
         summary: dict[str, Any] | None = _dcp_pickle.summarize(
             data, _native_allowlist(), safe_pickle.expansion_budget(len(data)), memory, dcp_summary.STATE_RECORDS)
@@ -183,10 +184,15 @@ def _machine_memory_share() -> int:
         return 0
 
 
+def _memory_limit(per_byte: int, nbytes: int) -> int:
+    """CHILD_MEMORY plus `per_byte` for each byte of the pickle, at most CHILD_MEMORY_SHARE of the machine."""
+    return min(CHILD_MEMORY + per_byte * nbytes, max(CHILD_MEMORY, _machine_memory_share()))
+
+
 def summary_in_child(data: bytes, where: str) -> dict[str, Any]:
     """The summary, made by the C unpickler in a child process under CPU and memory limits."""
     cpu_s = CHILD_CPU_S + CHILD_CPU_S_PER_MB * len(data) // 1_000_000
-    memory = min(CHILD_MEMORY + CHILD_MEMORY_PER_BYTE * len(data), max(CHILD_MEMORY, _machine_memory_share()))
+    memory = _memory_limit(CHILD_MEMORY_PER_BYTE, len(data))
     wall_s = min(CHILD_WALL_FACTOR * cpu_s, MAX_CHILD_WALL_S)
     request = {"length": len(data), "cpu_s": cpu_s, "memory": memory, "allowlist": child_allowlist(),
                "budget": safe_pickle.expansion_budget(len(data)),

@@ -121,7 +121,7 @@ def _numbers(value: Any, budget: _Budget) -> Any:
     """A size or offsets as a list (checked by the reader), or the value's repr when it is not a sequence."""
     kind = type(value)
     if kind is tuple or kind is list:
-        budget.used += 1 + len(value)  # checked by the caller's next charge: at most a few dimensions past it
+        budget.charge(1 + len(value))  # at once: one entry's chunks may all share one long list
         for v in value:
             if type(v) is not int:
                 return [v if type(v) is int else plain(v, budget) for v in value]
@@ -148,7 +148,7 @@ def _entry(fqn: Any, entry: Any, budget: _Budget) -> list[Any]:
         budget.charge(_text_units(fqn))
         return [fqn, kind]
     chunks = getattr(entry, "chunks", None) or []
-    if type(chunks) is not list and not isinstance(chunks, (list, tuple)):
+    if not isinstance(chunks, (list, tuple)):
         raise Malformed(f"TensorStorageMetadata.chunks should be a list, found {_kind(chunks)}", tensor=fqn)
     budget.charge(_text_units(fqn) + len(chunks))
     return [fqn, kind, _dtype(getattr(entry, "properties", None), budget),
@@ -162,15 +162,18 @@ def _storage(index: Any, info: Any, budget: _Budget) -> list[Any]:
     if _kind(index) != "MetadataIndex" or type(fqn) is not str:
         raise Malformed(f"storage_data key {_kind(index)} is not a MetadataIndex")
     offset = getattr(index, "offset", None)
+    # A record's fields straight from its __dict__ (the stand-ins have no class attributes of these names, so this
+    # is what getattr gives), checked by _field only when one is not of the plain type: this runs once per item.
     fields = getattr(info, "__dict__", None)
-    relative, begin, length = (fields.get("relative_path"), fields.get("offset", ...), fields.get("length", ...)) \
-        if type(fields) is dict else (None, ..., ...)
+    if type(fields) is not dict:
+        fields = {}
+    relative, begin, length = fields.get("relative_path"), fields.get("offset"), fields.get("length")
     if type(relative) is not str or type(begin) is not int or type(length) is not int:
         relative, begin, length = (_field(info, "relative_path", str), _field(info, "offset", int),
                                    _field(info, "length", int))
         if relative is None:
             raise Malformed("_StorageInfo.relative_path should be a string, found None", tensor=fqn)
-    transforms = fields.get("transform_descriptors") if type(fields) is dict else None
+    transforms = fields.get("transform_descriptors")
     if transforms is not None:  # DCP's compression (zstd) names its transforms here; most items have none
         transforms = _field(info, "transform_descriptors", (list, tuple))
         if not all(isinstance(t, str) for t in transforms):
@@ -238,18 +241,18 @@ def _encode(text: str, encoding: str = "latin1") -> bytes:
     return text.encode("latin1")
 
 
-_CALLS: dict[str, Any] = {
-    "tuple": tuple, "int": int, "str": str, "set": set, "frozenset": frozenset, "complex": complex,
-    "ordered_dict": OrderedDict, "latin1": _encode,
-    "path": lambda *parts: _posix_path(*parts),
-}
-"""The allowlist's callables by tag (see dcp_metadata.child_allowlist, which names them)."""
-
-
 def _posix_path(*parts: Any) -> str:
     from pathlib import PurePosixPath  # rare in a .metadata (a Path as checkpoint_id); slow to import
 
     return str(PurePosixPath(*(str(p) for p in parts)))
+
+
+_CALLS: dict[str, Any] = {
+    "tuple": tuple, "int": int, "str": str, "set": set, "frozenset": frozenset, "complex": complex,
+    "ordered_dict": OrderedDict, "latin1": _encode,
+    "path": _posix_path,
+}
+"""The allowlist's callables by tag (see dcp_metadata.child_allowlist, which names them)."""
 
 
 def stand_ins(tags: list[list[str]]) -> dict[tuple[str, str], Any]:
