@@ -158,18 +158,24 @@ def test_a_global_off_the_allowlist_is_refused_as_in_process(case: str, tmp_path
     assert not marker.exists()
 
 
-def test_shared_references_cannot_expand_the_summary(dcp_seed: Path) -> None:
-    """2,000 names that all refer to one tensor entry of 5,000 chunks: 10 million chunks to write out from a pickle
-    of about 100 KB. Refused by the walk's budget, in the child as in process."""
+def aliased_expansion(seed: Path) -> bytes:
+    """The seed's metadata with 2,000 names that all refer to one tensor entry of 5,000 chunks: 10 million chunks to
+    write out from a pickle of about 100 KB."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    metadata = load_metadata(dcp_seed)
+    metadata = load_metadata(seed)
     entry = metadata.state_dict_metadata["w"]
     entry.chunks = [ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, 6])) for i in range(5000)]
     for i in range(2000):
         metadata.state_dict_metadata[f"alias.{i}"] = entry
     blob = pickle.dumps(metadata, protocol=4)
     assert len(blob) < 400_000
+    return blob
+
+
+def test_shared_references_cannot_expand_the_summary(dcp_seed: Path) -> None:
+    """Refused by the walk's budget, in the child as in process."""
+    blob = aliased_expansion(dcp_seed)
     for read in (dcp_metadata.summary_in_child, dcp_metadata.summary_in_process):
         with pytest.raises(HeaderError, match="expands to more than") as info:
             read(blob, "ckpt/.metadata")

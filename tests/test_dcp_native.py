@@ -16,7 +16,7 @@ import torch
 from hostile_support import FUZZ, PAYLOADS, edits, load_metadata, mutate, outcome
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_dcp_metadata_child import real_metadata, wide_dcp  # noqa: F401  (a fixture)
+from test_dcp_metadata_child import aliased_expansion, real_metadata, wide_dcp  # noqa: F401  (a fixture)
 from test_hostile_pickle_work import colliding_pairs, items
 
 import tensormorph as tm
@@ -149,16 +149,9 @@ def test_memory_past_the_limit_is_declined() -> None:
 
 
 def test_shared_references_cannot_expand_the_summary(dcp_seed: Path) -> None:
-    """2,000 names that all refer to one entry of 5,000 chunks: declined by the walk's budget, and the general path
-    gives its error."""
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-
-    metadata = load_metadata(dcp_seed)
-    entry = metadata.state_dict_metadata["w"]
-    entry.chunks = [ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, 6])) for i in range(5000)]
-    for i in range(2000):
-        metadata.state_dict_metadata[f"alias.{i}"] = entry
-    blob = pickle.dumps(metadata, protocol=4)
+    """10 million chunks through shared references (aliased_expansion): declined by the walk's budget, and the
+    general path gives its error."""
+    blob = aliased_expansion(dcp_seed)
     assert native(blob) is None
     with pytest.raises(HeaderError, match="expands to more than"):
         dcp_metadata.read_summary(_Bytes(blob), ".metadata")
