@@ -23,11 +23,12 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "WARNING: could not install Debian's chromium; the browser tests will be skipped"
 
-# The native DCP metadata reader (setup.py), rebuilt in place when its source changed since the install.
+# The native parts (setup.py: the DCP metadata reader, the GF(2^8) kernel of parity), rebuilt in place when their
+# sources changed since the install.
 native: $(STAMP)
 	@$(BIN)/python setup.py -q build_ext --inplace >/dev/null 2>&1; \
-		$(BIN)/python -c "import tensormorph.formats._dcp_pickle" 2>/dev/null \
-		|| echo "WARNING: the native DCP reader did not build (no C compiler?): DCP metadata is read the slower way"
+		$(BIN)/python -c "import tensormorph.formats._dcp_pickle, tensormorph.tmformat._gf256" 2>/dev/null \
+		|| echo "WARNING: the native parts did not build (no C compiler?): DCP metadata and parity take the slower way"
 
 # Lint, types and the layer contracts first: they take seconds and fail fast.
 lint: $(STAMP)

@@ -1,8 +1,12 @@
-"""The native part of the package: built when a C compiler is there, and optional (the reader falls back to Python)."""
+"""The native parts of the package, built where a C compiler is: both optional (the package falls back to Python's
+unpickler and to zfec's own coding without them)."""
 
 from setuptools import Extension, setup
 
-NATIVE = "csrc/dcp_pickle"  # the sources of tensormorph.formats._dcp_pickle
+DCP_PICKLE = "csrc/dcp_pickle"  # the sources of tensormorph.formats._dcp_pickle
 
-setup(ext_modules=[Extension("tensormorph.formats._dcp_pickle", [f"{NATIVE}/machine.c", f"{NATIVE}/summary.c"],
-                             depends=[f"{NATIVE}/reader.h"], optional=True)])
+setup(ext_modules=[
+    Extension("tensormorph.formats._dcp_pickle", [f"{DCP_PICKLE}/machine.c", f"{DCP_PICKLE}/summary.c"],
+              depends=[f"{DCP_PICKLE}/reader.h"], optional=True),
+    Extension("tensormorph.tmformat._gf256", ["csrc/gf256/gf256.c"], optional=True),
+])
