@@ -201,6 +201,29 @@ def _worker(rank: int, world: int, port: int, work: str, cold: bool, tensors: di
 
 # ---------------------------------------------------------------- driver
 
+def save_load_rows(size: str, cold: bool, steps: dict[str, Any], ratios: dict[str, float], rate: dict[str, float],
+                   detail: Any, targets: tuple[float, float] = (1.0, 1.0), prefix: str = "") -> list[dict[str, Any]]:
+    """The README rows of a save and a load against DCP's: `detail(step)` follows each time (a rate, a peak RSS),
+    `prefix` opens each note."""
+    save_target, load_target = targets
+    return [
+        row(f"save, {size}", "tm.save vs dcp.save (FileSystemWriter sync_files=True)",
+            tensormorph=f"{fmt_s(steps['tm_save']['median'])}{detail('tm_save')}",
+            anchor=f"dcp.save: {fmt_s(steps['dcp_save']['median'])}{detail('dcp_save')}",
+            ratio=ratios["save_tm_over_dcp"], target=f">= {save_target:.1f}x",
+            met=ratios["save_tm_over_dcp"] >= save_target,
+            note=f"{prefix}{ratios['save_tm_fraction_of_disk']:.0%} of the disk's write + fsync rate, "
+                 f"{rate['disk_write']:.2f} GB/s"),
+        row(f"load, {size}, {'cold' if cold else 'warm'}", "tm.load vs dcp.load into the same DTensors",
+            tensormorph=f"{fmt_s(steps['tm_load']['median'])}{detail('tm_load')}",
+            anchor=f"dcp.load: {fmt_s(steps['dcp_load']['median'])}{detail('dcp_load')}",
+            ratio=ratios["load_tm_over_dcp"], target=f">= {load_target:.1f}x",
+            met=ratios["load_tm_over_dcp"] >= load_target,
+            note=f"{prefix}{ratios['load_tm_fraction_of_disk']:.0%} of the disk's read rate, "
+                 f"{rate['disk_read']:.2f} GB/s"),
+    ]
+
+
 def main() -> None:
     if len(sys.argv) > 1:
         sys.exit(f"usage: python -m benchmarks.{NAME}")
@@ -234,21 +257,8 @@ def main() -> None:
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}")
 
-    size = f"{fmt_bytes(total)} of DTensors, {RANKS} ranks (gloo)"
-    rows = [
-        row(f"save, {size}", "tm.save vs dcp.save (FileSystemWriter sync_files=True)",
-            tensormorph=f"{fmt_s(steps['tm_save']['median'])} ({rate['tm_save']:.2f} GB/s)",
-            anchor=f"dcp.save: {fmt_s(steps['dcp_save']['median'])} ({rate['dcp_save']:.2f} GB/s)",
-            ratio=ratios["save_tm_over_dcp"], target=">= 1.0x", met=ratios["save_tm_over_dcp"] >= 1.0,
-            note=f"{ratios['save_tm_fraction_of_disk']:.0%} of the disk's write + fsync rate, "
-                 f"{rate['disk_write']:.2f} GB/s"),
-        row(f"load, {size}, {'cold' if cold else 'warm'}", "tm.load vs dcp.load into the same DTensors",
-            tensormorph=f"{fmt_s(steps['tm_load']['median'])} ({rate['tm_load']:.2f} GB/s)",
-            anchor=f"dcp.load: {fmt_s(steps['dcp_load']['median'])} ({rate['dcp_load']:.2f} GB/s)",
-            ratio=ratios["load_tm_over_dcp"], target=">= 1.0x", met=ratios["load_tm_over_dcp"] >= 1.0,
-            note=f"{ratios['load_tm_fraction_of_disk']:.0%} of the disk's read rate, "
-                 f"{rate['disk_read']:.2f} GB/s"),
-    ]
+    rows = save_load_rows(f"{fmt_bytes(total)} of DTensors, {RANKS} ranks (gloo)", cold, steps, ratios, rate,
+                          detail=lambda step: f" ({rate[step]:.2f} GB/s)")
     tm_load = data["reports"]["tm_load"][0]  # every repetition reads the same bytes: the first one's
     write_result(NAME, {
         "title": f"Sharded save and load of {fmt_bytes(total)} of DTensors on {RANKS} gloo ranks vs DCP",

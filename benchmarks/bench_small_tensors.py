@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from .bench_save_load import _worker
+from .bench_save_load import _worker, save_load_rows
 from .common import (
     GiB,
     drop_caches,
@@ -34,7 +34,6 @@ from .common import (
     fmt_s,
     load_averages,
     print_table,
-    row,
     spawn_ranks,
     summary,
     work_dir,
@@ -101,20 +100,8 @@ def main() -> None:
     def rss(label: str) -> str:
         return "/".join(fmt_bytes(p) for p in peaks[label])
 
-    rows = [
-        row(f"save, {size}", "tm.save vs dcp.save (FileSystemWriter sync_files=True)",
-            tensormorph=f"{fmt_s(steps['tm_save']['median'])}, peak RSS {rss('tm_save')} per rank",
-            anchor=f"dcp.save: {fmt_s(steps['dcp_save']['median'])}, peak RSS {rss('dcp_save')} per rank",
-            ratio=ratios["save_tm_over_dcp"], target=">= 3.0x", met=ratios["save_tm_over_dcp"] >= 3.0,
-            note=f"{scaled}{ratios['save_tm_fraction_of_disk']:.0%} of the disk's write + fsync rate, "
-                 f"{rate['disk_write']:.2f} GB/s"),
-        row(f"load, {size}, {'cold' if cold else 'warm'}", "tm.load vs dcp.load into the same DTensors",
-            tensormorph=f"{fmt_s(steps['tm_load']['median'])}, peak RSS {rss('tm_load')} per rank",
-            anchor=f"dcp.load: {fmt_s(steps['dcp_load']['median'])}, peak RSS {rss('dcp_load')} per rank",
-            ratio=ratios["load_tm_over_dcp"], target=">= 2.0x", met=ratios["load_tm_over_dcp"] >= 2.0,
-            note=f"{scaled}{ratios['load_tm_fraction_of_disk']:.0%} of the disk's read rate, "
-                 f"{rate['disk_read']:.2f} GB/s"),
-    ]
+    rows = save_load_rows(size, cold, steps, ratios, rate, detail=lambda step: f", peak RSS {rss(step)} per rank",
+                          targets=(3.0, 2.0), prefix=scaled)
     write_result(NAME, {
         "title": f"Save and load of {count:,} small DTensors ({fmt_bytes(total)}) on {RANKS} gloo ranks vs DCP",
         "runs": RUNS,

@@ -40,7 +40,7 @@ from ..errors import (
     UnsupportedError,
 )
 from ..pickle_work import KeyHashes
-from ..shapes import MAX_DIM, MAX_DIMS, MAX_OFFSET, check_offset, check_shape, describe
+from ..shapes import MAX_DIMS, MAX_OFFSET, check_offset, check_shape, describe
 from ..storage import AnyPath, ByteStore, entries, read_head, store_at
 from ..tiling import validate_tiling
 from ..units import human_bytes
@@ -366,10 +366,8 @@ def _storage_key(fqn: str, offset: Any, where: str) -> tuple[str, tuple[int, ...
 
 
 def _item(relative: str, begin: Any, length: Any, transforms: list[str], where: str, fqn: str) -> _Item:
-    # check_offset's test inline (it runs once per item), and check_offset itself only to name what is wrong
-    if type(begin) is not int or type(length) is not int or not (0 <= begin < MAX_OFFSET and 0 <= length < MAX_OFFSET):
-        begin = check_offset(begin, file=where, tensor=fqn, what="storage offset")
-        length = check_offset(length, file=where, tensor=fqn, what="storage length")
+    begin = check_offset(begin, file=where, tensor=fqn, what="storage offset")
+    length = check_offset(length, file=where, tensor=fqn, what="storage length")
     return _Item(relative, begin, length, tuple(transforms) if transforms else ())
 
 
@@ -380,26 +378,15 @@ def _ranks_of(file: str) -> tuple[int, ...]:
     return (int(match.group(1)),) if match else ()
 
 
-def _dims(values: Any, where: str, fqn: str, what: str) -> tuple[int, ...]:
-    """check_shape, with its common case (a short list of valid integers) inline: it runs three times a tensor."""
-    if type(values) is list and len(values) <= MAX_DIMS:
-        for d in values:
-            if type(d) is not int or not 0 <= d < MAX_DIM:
-                break
-        else:
-            return tuple(values)
-    return check_shape(values, file=where, tensor=fqn, what=what)
-
-
 def _tensor(fqn: str, entry: list[Any], storage: dict, files: ByteStore, where: str) -> LogicalTensor:
     _, _, dtype_name, size, chunk_entries = entry
     dtype = _dtype_of(dtype_name, where, fqn)
-    shape = _dims(size, where, fqn, "size")
+    shape = check_shape(size, file=where, tensor=fqn, what="size")
     itemsize = dtypes.itemsize(dtype)
     chunks = []
     for chunk_offsets, chunk_sizes in chunk_entries:
-        offsets = _dims(chunk_offsets, where, fqn, "chunk offsets")
-        sizes = _dims(chunk_sizes, where, fqn, "chunk sizes")
+        offsets = check_shape(chunk_offsets, file=where, tensor=fqn, what="chunk offsets")
+        sizes = check_shape(chunk_sizes, file=where, tensor=fqn, what="chunk sizes")
         item = storage.get((fqn, offsets))
         if item is None:
             raise HeaderError(f"chunk at offsets {list(offsets)} has no storage entry", file=where, tensor=fqn)

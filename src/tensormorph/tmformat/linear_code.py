@@ -1,4 +1,4 @@
-"""zfec's Reed-Solomon codes as rows of GF(2^8) coefficients, applied to whole segments by a SIMD kernel.
+"""zfec's Reed-Solomon code, block by block: applied by a SIMD kernel where it is built, else by zfec itself.
 
 zfec codes at about 1 GB/s per core, so a save with `rs(k,m)` parity, a rebuild and a degraded load spend about as
 much CPU as disk time. Every block zfec makes is a linear combination of the blocks it is given, so the
@@ -10,6 +10,7 @@ bytes are the same either way (tests/test_linear_code.py), so files written eith
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -29,28 +30,44 @@ def _unit(k: int, place: int) -> list[bytes]:
     return [b"\x01" if i == place else b"\x00" for i in range(k)]
 
 
-@lru_cache(maxsize=1024)
-def encode_row(k: int, n: int, index: int) -> bytes:
-    """The coefficients that make block `index` (k <= index < n) of zfec's code from the k primary blocks."""
-    encoder = zfec.Encoder(k, n)
-    return bytes(encoder.encode(_unit(k, i), (index,))[0][0] for i in range(k))
+class _Coders(threading.local):
+    """zfec coders of one (k, n), one set per thread: coding calls run on several threads at once."""
+
+    def __init__(self, k: int, n: int):
+        self.encoder, self.decoder = zfec.Encoder(k, n), zfec.Decoder(k, n)
+
+
+def _zfec_block(coders: _Coders, k: int, inputs: tuple[int, ...], output: int, blocks: Sequence[bytes]) -> bytes:
+    """Block `output` of zfec's (k, n) code from the k blocks numbered `inputs`, by zfec."""
+    primaries = list(blocks) if inputs == tuple(range(k)) else list(coders.decoder.decode(blocks, inputs))
+    return bytes(primaries[output] if output < k else coders.encoder.encode(primaries, (output,))[0])
 
 
 @lru_cache(maxsize=1024)
-def rebuild_row(k: int, n: int, chosen: tuple[int, ...], target: int) -> bytes:
-    """The coefficients that make block `target` of zfec's code from the k blocks numbered `chosen`."""
-    decoder, encoder = zfec.Decoder(k, n), zfec.Encoder(k, n)
-    row = []
-    for place in range(k):
-        primaries = list(decoder.decode(_unit(k, place), chosen))
-        block = primaries[target] if target < k else encoder.encode(primaries, (target,))[0]
-        row.append(block[0])
-    return bytes(row)
+def row(k: int, n: int, inputs: tuple[int, ...], output: int) -> bytes:
+    """The coefficients that make block `output` of zfec's (k, n) code from the k blocks numbered `inputs`."""
+    coders = _Coders(k, n)
+    return bytes(_zfec_block(coders, k, inputs, output, _unit(k, place))[0] for place in range(k))
 
 
-def combine(row: bytes, blocks: Sequence[bytes]) -> bytearray:
-    """The sum over i of row[i] * blocks[i] in GF(2^8), for blocks of one length (the native kernel must be built)."""
+def combine(coefficients: bytes, blocks: Sequence[bytes]) -> bytearray:
+    """The sum over i of coefficients[i] * blocks[i] in GF(2^8), for blocks of one length (the kernel must be built)."""
     assert _gf256 is not None
     out = bytearray(len(blocks[0]))
-    _gf256.mul_add(row, blocks, [out])
+    _gf256.mul_add(coefficients, blocks, [out])
     return out
+
+
+class Code:
+    """Block `output` of zfec's (k, n) code from the k blocks numbered `inputs` (parity: the primaries 0..k-1; a
+    rebuild: any k intact blocks), segment after segment, on any thread."""
+
+    def __init__(self, k: int, n: int, inputs: Sequence[int], output: int):
+        self.k, self.inputs, self.output = k, tuple(inputs), output
+        self._row = row(k, n, self.inputs, output) if available() else b""
+        self._coders = None if available() else _Coders(k, n)
+
+    def apply(self, blocks: Sequence[bytes]) -> bytes:
+        if self._coders is None:
+            return bytes(combine(self._row, blocks))
+        return _zfec_block(self._coders, self.k, self.inputs, self.output, blocks)

@@ -26,14 +26,11 @@ from __future__ import annotations
 import itertools
 import os
 import re
-import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-
-import zfec
 
 from ..errors import CheckpointError
 from . import linear_code
@@ -165,13 +162,6 @@ def in_order(steps: Iterator[Callable[[], bytes]], ahead: int) -> Iterator[bytes
                 future.cancel()
 
 
-class _Coders(threading.local):
-    """zfec coders of one (k, n), one set per thread: coding calls run on several threads at once."""
-
-    def __init__(self, k: int, n: int):
-        self.encoder, self.decoder = zfec.Encoder(k, n), zfec.Decoder(k, n)
-
-
 def _padded(read: Reader, file: str | None, size: int, begin: int, end: int) -> bytes:
     """Bytes [begin, end) of a data file, zero-padded past its end (virtual files are all zeros)."""
     if file is None or begin >= size:
@@ -183,18 +173,12 @@ def _padded(read: Reader, file: str | None, size: int, begin: int, end: int) -> 
 def encode_parity(stripe: Stripe, k: int, m: int, index: int, read: Reader,
                   segment: int = SEGMENT) -> Iterator[bytes]:
     """Parity file `index` of a stripe, segment by segment (several segments read and encoded at once)."""
-    coders = _Coders(k, k + m)
     files: list[str | None] = list(stripe.data) + [None] * (k - len(stripe.data))
     sizes = list(stripe.sizes) + [0] * (k - len(stripe.sizes))
-
-    fast = linear_code.available()
-    row = linear_code.encode_row(k, k + m, k + index) if fast else b""
+    code = linear_code.Code(k, k + m, range(k), k + index)
 
     def step(first: int, stop: int) -> bytes:
-        blocks = tuple(_padded(read, f, n, first, stop) for f, n in zip(files, sizes))
-        if fast:  # the same bytes as zfec's, several times faster (linear_code)
-            return bytes(linear_code.combine(row, blocks))
-        return bytes(coders.encoder.encode(blocks, (k + index,))[0])
+        return code.apply(tuple(_padded(read, f, n, first, stop) for f, n in zip(files, sizes)))
 
     return in_order((partial(step, b, e) for b, e in _segments(stripe.length, segment)), _ahead(k, segment))
 
@@ -214,18 +198,11 @@ def rebuild(stripe: Stripe, k: int, m: int, lost: str, available: set[str], read
                               f"{k} are needed (damaged or missing besides it: {', '.join(gone)})")
     chosen = tuple(usable[:k])
     target = names.index(lost)
-    coders = _Coders(k, k + m)
     size = sizes[target]
-    fast = linear_code.available()
-    row = linear_code.rebuild_row(k, k + m, chosen, target) if fast else b""
+    code = linear_code.Code(k, k + m, chosen, target)
 
     def step(begin: int, end: int) -> bytes:
-        blocks = tuple(_padded(read, names[i], sizes[i], begin, end) for i in chosen)
-        if fast:  # the same bytes as zfec's, several times faster (linear_code)
-            return bytes(linear_code.combine(row, blocks)[:min(end, size) - begin])
-        primaries = coders.decoder.decode(blocks, chosen)
-        block = primaries[target] if target < k else coders.encoder.encode(tuple(primaries), (target,))[0]
-        return bytes(block[:min(end, size) - begin])
+        return code.apply(tuple(_padded(read, names[i], sizes[i], begin, end) for i in chosen))[:min(end, size) - begin]
 
     # the lost file's own length: a short data file's padding past its end is not rebuilt
     return in_order((partial(step, b, e) for b, e in _segments(size, segment)), _ahead(k, segment))
