@@ -13,7 +13,7 @@
 3. rebuild  (bench_redundancy_rebuild.py) on the last rs(4,2) checkpoint, with rank 1's data file deleted:
             repair() (scan, rebuild, verify), the rebuild alone (tmformat.recovery.recover into a file,
             fsync), verify() of the intact checkpoint, all against one cold preadv of that same file; and tm.load of the
-            whole state in one process with the file lost (rebuilt into a temporary file) vs nothing lost.
+            whole state in one process with the file lost (the ranges it reads rebuilt from the stripe) vs nothing lost.
             Every load is checked against CRC-32C of the intact load's tensors.
 Floors (what the disk allows, measured in the same run): for the saves, every rank writes 1x, (k+m)/k x and 2x its
 shard's bytes with plain os.write + fsync, so (1x time) / (that time) is the best ratio the disk permits; for the
@@ -413,7 +413,7 @@ def main() -> None:
             anchor=f"preadv of the file: {fmt_s(rb['read']['median'])}",
             ratio=rb_ratio["repair"], target=">= 0.06x (one scan + the rebuild)", met=rb_ratio["repair"] >= 0.06,
             note=f"verify() alone {fmt_s(rb['verify']['median'])}"),
-        row(rb_title, "tm.load of the whole state in one process, file lost (rebuilt into a temporary file) vs intact",
+        row(rb_title, "tm.load of the whole state in one process, file lost (its ranges rebuilt as read) vs intact",
             tensormorph=f"{fmt_s(rb['load_lost']['median'])}",
             anchor=f"same load, nothing lost: {fmt_s(rb['load_intact']['median'])}",
             ratio=load_ratio, target=">= 0.7x (one stripe decode more)", met=load_ratio >= 0.7),

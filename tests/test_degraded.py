@@ -1,4 +1,5 @@
-"""Degraded files of an rs(4,2) checkpoint: the rebuild streams through a bounded buffer into a temporary file.
+"""Degraded files of an rs(4,2) checkpoint: a rebuild streams through a bounded buffer, and a degraded load
+rebuilds the ranges it reads from the same ranges of the stripe's other files.
 
 The checkpoint is a real safetensors file (written by the safetensors library) converted to a 4-rank
 Tensormorph checkpoint with rs(4,2) parity; its rank files differ in size, so the stripe is padded and each
@@ -24,7 +25,7 @@ from tensormorph.ops.repair import repair
 from tensormorph.storage import LocalFiles
 from tensormorph.tmformat import parity, writer
 from tensormorph.tmformat.checkpoint import read_manifest
-from tensormorph.tmformat.recovery import all_files, rebuild_file, recover
+from tensormorph.tmformat.recovery import all_files, rebuilt_ranges, recover
 
 DATA = [f"rank-{r:05d}.safetensors" for r in range(4)]
 PARITY = ["parity-00000-0.bin", "parity-00000-1.bin"]
@@ -104,21 +105,40 @@ def test_rebuild_streams_bit_exact_within_the_coding_buffer(protected, monkeypat
     truth = (protected / lost).read_bytes()
     tracemalloc.start()
     try:
-        rebuilt = rebuild_file(manifest, lost, intact, read)
+        size = sum(len(piece) for piece in recover(manifest, lost, intact, read))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    try:
-        assert rebuilt.size == len(truth) and rebuilt.read_ranges([(0, len(truth))])[0] == truth
-        # in flight: at most BUFFER of inputs and outputs, plus the output being written; the file is 2 MiB+
-        assert peak <= BUFFER + 2 * SEGMENT and peak < len(truth) // 2, peak
-        middle = bytearray(1000)
-        rebuilt.read_runs([(5, 505), (len(truth) - 500, len(truth))], memoryview(middle))
-        assert bytes(middle) == truth[5:505] + truth[-500:]
-    finally:
-        rebuilt.close()
-    # the stream itself, in order, is the same bytes
+    # in flight: at most BUFFER of inputs and outputs, plus the output being taken; the file is 2 MiB+
+    assert size == len(truth) and peak <= BUFFER + 2 * SEGMENT and peak < len(truth) // 2, (size, peak)
     assert b"".join(recover(manifest, lost, intact, read)) == truth
+
+
+@pytest.mark.parametrize("lost", DATA)
+def test_any_ranges_of_a_lost_file_are_rebuilt_bit_exact(protected, monkeypatch, lost):
+    monkeypatch.setattr(parity, "CODING_BUFFER", BUFFER)
+    files, manifest = _manifest(protected)
+    truth = (protected / lost).read_bytes()
+    rebuilt = rebuilt_ranges(manifest, lost, set(all_files(manifest)) - {lost},
+                             lambda name, offset, into: files.read_runs(name, [(offset, offset + len(into))], into))
+    whole = bytearray(len(truth))
+    tracemalloc.start()
+    try:
+        rebuilt.read_runs([(0, len(truth))], memoryview(whole))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # straight into the destination: only the decoding's k pieces, within BUFFER
+    assert whole == truth and peak <= BUFFER and peak < len(truth) // 2, peak
+    assert rebuilt.read_ranges([(100, 200), (len(truth) - 10, len(truth))]) == [truth[100:200], truth[-10:]]
+    rng = np.random.default_rng(3)
+    cuts = np.sort(rng.choice(len(truth), 40, replace=False)).tolist()  # runs of any length, at any offset
+    runs = list(zip(cuts[::2], cuts[1::2]))
+    into = bytearray(sum(e - b for b, e in runs))
+    rebuilt.read_runs(runs, memoryview(into))
+    assert bytes(into) == b"".join(truth[b:e] for b, e in runs)
+    with pytest.raises(CheckpointError, match="outside the"):
+        rebuilt.read_runs([(len(truth) - 4, len(truth) + 4)], memoryview(bytearray(8)))
 
 
 def test_a_consumer_that_stops_early_leaves_no_thread_running(protected):
@@ -192,16 +212,23 @@ def test_a_damaged_parity_file_is_named_when_the_rebuild_fails(work):
     assert PARITY[1] in report.unrecoverable[DATA[1]] and not report.ok
 
 
-def test_a_rebuild_from_a_damaged_file_fails_its_crc_check(protected, tmp_path):
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_rebuild_from_a_damaged_file_is_caught_and_made_from_the_intact_ones(protected, tmp_path, verify):
+    """With DATA[1] lost, the first rebuild reads PARITY[0], whose bytes are damaged: the rebuilt bytes fail their
+    block checksums (checked even when the load was asked not to verify), and the load rebuilds them again from the
+    files whose whole CRC-32C is right (the three other data files and PARITY[1])."""
     folder = tmp_path / "ck"
     shutil.copytree(protected, folder)
+    truth = _load(protected)
+    (folder / DATA[1]).unlink()
     with open(folder / PARITY[0], "r+b") as f:
         f.seek(777)
         byte = f.read(1)[0]
         f.seek(777)
         f.write(bytes([byte ^ 1]))
-    files, manifest = _manifest(folder)
-    # every other file counted intact: the damaged parity is used, and the CRC-32C check refuses the result
-    with pytest.raises(CheckpointError, match="do not match the .* recorded for it"):
-        rebuild_file(manifest, DATA[0], set(all_files(manifest)) - {DATA[0]},
-                     lambda n, b, e: files.read(n, b, e - b))
+    state = _empty_state(folder)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tm.load(folder, state, verify=verify)
+    assert {n: t.reshape(-1).view(torch.uint8).numpy().tobytes() for n, t in state.items()} == truth
+    assert [str(w.message).split(":")[0].rsplit("/", 1)[-1] for w in caught] == [DATA[1]]

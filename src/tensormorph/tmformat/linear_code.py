@@ -71,3 +71,11 @@ class Code:
         if self._coders is None:
             return bytes(combine(self._row, blocks))
         return _zfec_block(self._coders, self.k, self.inputs, self.output, blocks)
+
+    def apply_into(self, blocks: Sequence[memoryview], out: memoryview) -> None:
+        """`apply` written into `out` (as long as each block): the kernel writes there without a copy."""
+        if self._coders is None:
+            assert _gf256 is not None
+            _gf256.mul_add(self._row, blocks, [out])
+        else:
+            out[:] = _zfec_block(self._coders, self.k, self.inputs, self.output, [bytes(b) for b in blocks])

@@ -183,9 +183,21 @@ def encode_parity(stripe: Stripe, k: int, m: int, index: int, read: Reader,
     return in_order((partial(step, b, e) for b, e in _segments(stripe.length, segment)), _ahead(k, segment))
 
 
-def rebuild(stripe: Stripe, k: int, m: int, lost: str, available: set[str], read: Reader,
-            segment: int = SEGMENT) -> Iterator[bytes]:
-    """The bytes of file `lost` (data or parity) of a stripe, rebuilt from k available files, segment by segment.
+@dataclass(frozen=True)
+class Decoding:
+    """How file `lost` of a stripe is rebuilt: byte i of it from byte i of k other files (the code works on each
+    byte column alone), so any byte range is rebuilt from the same range of those files."""
+
+    sources: tuple[tuple[str | None, int], ...]  # the k (file, size) it is made from; None: a virtual all-zero file
+    size: int  # the lost file's own length: a short data file's padding past its end is not rebuilt
+    code: linear_code.Code
+
+    def sources_of(self, read: Reader, begin: int, end: int) -> tuple[bytes, ...]:
+        return tuple(_padded(read, name, size, begin, end) for name, size in self.sources)
+
+
+def decoding(stripe: Stripe, k: int, m: int, lost: str, available: set[str]) -> Decoding:
+    """The plan to rebuild file `lost` (data or parity) from k available files of its stripe.
 
     Raises CheckpointError when fewer than k files of the stripe are available.
     """
@@ -198,14 +210,22 @@ def rebuild(stripe: Stripe, k: int, m: int, lost: str, available: set[str], read
                               f"{k} are needed (damaged or missing besides it: {', '.join(gone)})")
     chosen = tuple(usable[:k])
     target = names.index(lost)
-    size = sizes[target]
-    code = linear_code.Code(k, k + m, chosen, target)
+    return Decoding(tuple((names[i], sizes[i]) for i in chosen), sizes[target],
+                    linear_code.Code(k, k + m, chosen, target))
+
+
+def rebuild(stripe: Stripe, k: int, m: int, lost: str, available: set[str], read: Reader,
+            segment: int = SEGMENT) -> Iterator[bytes]:
+    """The bytes of file `lost` (data or parity) of a stripe, rebuilt from k available files, segment by segment.
+
+    Raises CheckpointError when fewer than k files of the stripe are available.
+    """
+    plan = decoding(stripe, k, m, lost, available)
 
     def step(begin: int, end: int) -> bytes:
-        return code.apply(tuple(_padded(read, names[i], sizes[i], begin, end) for i in chosen))[:min(end, size) - begin]
+        return plan.code.apply(plan.sources_of(read, begin, end))[:min(end, plan.size) - begin]
 
-    # the lost file's own length: a short data file's padding past its end is not rebuilt
-    return in_order((partial(step, b, e) for b, e in _segments(size, segment)), _ahead(k, segment))
+    return in_order((partial(step, b, e) for b, e in _segments(plan.size, segment)), _ahead(k, segment))
 
 
 def copied(read: Reader, file: str, size: int, segment: int = SEGMENT) -> Iterator[bytes]:

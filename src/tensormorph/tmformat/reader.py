@@ -29,7 +29,7 @@ from .checksums import verify_blocks
 from .integrity import file_crc32c
 from .manifest import ChunkRecord, FileRecord, Manifest, TensorRecord
 from .placement_check import checked_chunks
-from .recovery import RebuiltFile, all_files, group_of, rebuild_file
+from .recovery import RebuiltRanges, all_files, group_of, rebuilt_ranges
 
 SMALL_CHUNK = 1 << 20  # chunks up to this size are read in coalesced runs; larger ones straight into place
 COALESCE_BYTES = 8 << 20  # most bytes one coalesced read gathers: each reading thread stages this much
@@ -75,7 +75,11 @@ class BoxReader:
         self.manifest, self.files, self.where, self.verify = manifest, files, where, verify
         self.bytes_read = 0
         self.blocks_verified = 0
-        self._rebuilt: dict[str, RebuiltFile] = {}  # damaged data files rebuilt from parity, in temporary files
+        # damaged data files, read by rebuilding each range from redundancy; _checked: those whose sources were
+        # checked whole (after a rebuild from unchecked ones failed its block checksums)
+        self._rebuilt: dict[str, RebuiltRanges] = {}
+        self._checked: set[str] = set()
+        self._announced: set[str] = set()  # the rebuilt files a warning has named
         self._grouped: dict[str, dict[int, list[ChunkRecord]]] = {}  # by tensor: its chunks by contribution
         self._exact: dict[tuple[str, int], dict[str, ChunkRecord]] = {}  # by tensor and contribution: chunks by box
         self._stage = threading.local()  # each reading thread's staging buffer for coalesced reads
@@ -83,8 +87,6 @@ class BoxReader:
         self._restore_lock = threading.Lock()
 
     def close(self) -> None:
-        for rebuilt in self._rebuilt.values():
-            rebuilt.close()
         self._rebuilt.clear()
         self.files.close()
 
@@ -135,14 +137,31 @@ class BoxReader:
                 target[...] = buffer
 
     def _read_checked(self, name: str, chunk: ChunkRecord, runs: list[tuple[int, int]], into: memoryview) -> None:
-        """Runs of a chunk into `into`, verified; a damaged file is rebuilt from redundancy (once) and read again."""
+        """Runs of a chunk into `into`, verified; a damaged file is then read by rebuilding the runs from
+        redundancy: first from the other files of its group unchecked (usually only this file is damaged), and
+        when those bytes fail their checksums, from the files found intact by their whole-file CRC-32C."""
         try:
             self._read_runs(name, chunk, runs, into)
-        except (MissingFileError, TruncatedFileError, ChecksumError) as damage:
+            return
+        except (MissingFileError, TruncatedFileError, ChecksumError) as found:
             if self.manifest.redundancy is None:
                 raise
-            self._restore(chunk.file, damage)
-            self._read_runs(name, chunk, runs, into)
+            damage = found
+        for checked in (False, True):
+            self._restore(chunk.file, damage, checked=checked)
+            try:
+                self._read_runs(name, chunk, runs, into)
+            except (CheckpointError, OSError) as exc:
+                if checked:
+                    raise self._unrecoverable(chunk.file, damage, exc) from None
+                continue
+            with self._restore_lock:
+                if chunk.file not in self._announced:  # once per file, and only once its bytes were rebuilt
+                    self._announced.add(chunk.file)
+                    warnings.warn(f"{self.files.describe(chunk.file)}: {damage.reason}; rebuilt from "
+                                  f"{self.manifest.redundancy.scheme} redundancy for this load (run `tensormorph "
+                                  "repair` to fix the file)", stacklevel=2)
+            return
 
     def whole_chunk_reads(self, requests: Sequence[BoxRequest]) -> tuple[list[list[WholeChunk]], list[int]]:
         """The requests whose box is one small stored chunk exactly, grouped into coalesced reads (`read_whole`):
@@ -182,7 +201,7 @@ class BoxReader:
             if stage is not None:
                 part = stage[chunk.byte_range[0] - begin:chunk.byte_range[1] - begin]
                 try:
-                    if self.verify:
+                    if self._verifies(chunk.file):
                         checked += len(verify_blocks(chunk.block_crc32c, size, [(0, size)], part, _no_gaps,
                                                      _damaged)[0])
                     item.out[:] = part
@@ -197,16 +216,18 @@ class BoxReader:
                 self.blocks_verified += checked
 
     def _coalesced(self, batch: Sequence[WholeChunk]) -> memoryview | None:
-        """A batch's bytes, in this thread's staging buffer; None when its file is rebuilt or the read fails (every
-        chunk is then read on its own, and the slow path says what is wrong, or rebuilds the file)."""
+        """A batch's bytes, in this thread's staging buffer (rebuilt where its file is); None when the read fails
+        (every chunk is then read on its own, and the slow path says what is wrong, or rebuilds the file)."""
         file, (begin, end) = batch[0].chunk.file, (batch[0].chunk.byte_range[0], batch[-1].chunk.byte_range[1])
-        if file in self._rebuilt:
-            return None
         stage: memoryview | None = getattr(self._stage, "buffer", None)
         if stage is None or len(stage) < end - begin:
             stage = self._stage.buffer = memoryview(bytearray(max(end - begin, COALESCE_BYTES)))
+        rebuilt = self._rebuilt.get(file)
         try:
-            self.files.read_runs(file, [(begin, end)], stage[:end - begin])
+            if rebuilt is not None:
+                rebuilt.read_runs([(begin, end)], stage[:end - begin])
+            else:
+                self.files.read_runs(file, [(begin, end)], stage[:end - begin])
         except (CheckpointError, OSError):
             return None
         return stage
@@ -244,7 +265,7 @@ class BoxReader:
         else:
             self.files.read_runs(chunk.file, [(base + begin, base + end) for begin, end in runs], into)
         extra = 0
-        if self.verify:
+        if self._verifies(chunk.file):
             def mismatch(begin: int, end: int, found: int, recorded: int) -> CheckpointError:
                 return ChecksumError(
                     f"bytes [{base + begin}, {base + end}) of the chunk at offsets {list(chunk.offsets)} have CRC-32C "
@@ -266,34 +287,39 @@ class BoxReader:
             return rebuilt.read_ranges([(base + b, base + e) for b, e in ranges])
         return self.files.read_ranges(chunk.file, [(base + b, base + e) for b, e in ranges])
 
-    def _read_range(self, file: str, begin: int, end: int) -> bytes:
-        return self.files.read_ranges(file, [(begin, end)])[0]
+    def _verifies(self, file: str) -> bool:
+        """Whether reads of `file` are checked: always where it is rebuilt, since that is how a damaged source
+        of the rebuild shows."""
+        return self.verify or file in self._rebuilt
 
-    def _restore(self, file: str, damage: CheckpointError) -> None:
-        """Rebuild a damaged data file from its stripe (once, under the lock), checked against its CRC-32C."""
-        plan = self.manifest.redundancy
-        assert plan is not None, "only called with redundancy"
+    def _restore(self, file: str, damage: CheckpointError, *, checked: bool) -> None:
+        """Read the damaged data file `file` by rebuilding ranges from the other files of its group (once, under
+        the lock); with `checked`, from those whose whole-file CRC-32C is right."""
         with self._restore_lock:
-            if file in self._rebuilt:
+            if file in self._checked or (file in self._rebuilt and not checked):
                 return
-            records = all_files(self.manifest)
             group = [name for name in group_of(self.manifest, file) if name != file]
+            if checked:
+                records = all_files(self.manifest)
+                group = [name for name in group if self._intact(name, records[name])]
             try:
-                try:  # usually only this file is damaged: rebuild from the others without checking them first
-                    rebuilt = rebuild_file(self.manifest, file, set(group), self._read_range)
-                except (CheckpointError, OSError):
-                    intact = {name for name in group if self._intact(name, records[name])}
-                    rebuilt = rebuild_file(self.manifest, file, intact, self._read_range)
-            except (CheckpointError, OSError) as exc:  # OSError: the temporary file (a full $TMPDIR) or a read
-                lost = sorted({n for n, t in self.manifest.tensors.items() for c in t.chunks if c.file == file})
-                reason = exc.reason if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-                raise CheckpointError(
-                    f"{damage.reason}, and it cannot be rebuilt from {plan.scheme}: {reason}. "
-                    f"Unrecoverable tensors ({len(lost)}): {', '.join(lost)}", file=self.files.describe(file),
-                    tensor=lost[0] if lost else None) from None
-            warnings.warn(f"{self.files.describe(file)}: {damage.reason}; rebuilt from {plan.scheme} "
-                          "redundancy for this load (run `tensormorph repair` to fix the file)", stacklevel=2)
+                rebuilt = rebuilt_ranges(self.manifest, file, set(group), self._read_into)
+            except CheckpointError as exc:
+                raise self._unrecoverable(file, damage, exc) from None
             self._rebuilt[file] = rebuilt
+            if checked:
+                self._checked.add(file)
+
+    def _unrecoverable(self, file: str, damage: CheckpointError, exc: Exception) -> CheckpointError:
+        assert self.manifest.redundancy is not None, "only called with redundancy"
+        lost = sorted({n for n, t in self.manifest.tensors.items() for c in t.chunks if c.file == file})
+        reason = exc.reason if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+        return CheckpointError(f"{damage.reason}, and it cannot be rebuilt from {self.manifest.redundancy.scheme}: "
+                               f"{reason}. Unrecoverable tensors ({len(lost)}): {', '.join(lost)}",
+                               file=self.files.describe(file), tensor=lost[0] if lost else None)
+
+    def _read_into(self, file: str, offset: int, target: memoryview) -> None:
+        self.files.read_runs(file, [(offset, offset + len(target))], target)
 
     def _intact(self, name: str, record: FileRecord) -> bool:
         try:

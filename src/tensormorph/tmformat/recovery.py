@@ -7,18 +7,19 @@ checking every damaged file of a wide checkpoint stays linear in its files.
 
 from __future__ import annotations
 
-import os
-import tempfile
+import queue
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO
+
+import numpy as np
 
 from ..errors import CheckpointError
-from ..storage.local import pread_into
-from .checksums import RunningCrc
+from . import parity
 from .manifest import FileRecord, Manifest
-from .parity import Scheme, Stripe, copied, parse_scheme, rebuild, replica_file
+from .parity import Decoding, Scheme, Stripe, copied, decoding, parse_scheme, rebuild, replica_file
+
+MIN_PIECE = 4096  # the least a degraded read decodes per step, however wide the stripe and small the buffer
 
 
 @dataclass(frozen=True)
@@ -94,12 +95,16 @@ def recover(manifest: Manifest, lost: str, intact: set[str], read: Callable[[str
     plan = manifest.redundancy
     assert plan is not None  # _group refused a manifest without redundancy
     if scheme.kind == "replicate":
-        sources = [n for n in group.data if n != lost and n in intact]
-        if not sources:
-            raise CheckpointError(f"cannot rebuild {lost}: every copy of {group.data[0]} is damaged or missing")
-        return copied(read, sources[0], all_files(manifest)[lost].size, plan.segment)
+        return copied(read, _copy_of(group, lost, intact), all_files(manifest)[lost].size, plan.segment)
     stripe = Stripe(group.data, tuple(manifest.files[d].size for d in group.data), group.parity)
     return rebuild(stripe, scheme.k, scheme.m, lost, intact, read, plan.segment)
+
+
+def _copy_of(group: _Group, lost: str, intact: set[str]) -> str:
+    sources = [n for n in group.data if n != lost and n in intact]
+    if not sources:
+        raise CheckpointError(f"cannot rebuild {lost}: every copy of {group.data[0]} is damaged or missing")
+    return sources[0]
 
 
 def check_recoverable(manifest: Manifest, name: str, intact: set[str]) -> None:
@@ -115,18 +120,36 @@ def check_recoverable(manifest: Manifest, name: str, intact: set[str]) -> None:
                               f"{scheme.k} are needed")
 
 
-class RebuiltFile:
-    """A file rebuilt from its stripe or a copy into an unlinked temporary file: a degraded load reads it back with
-    pread, so no process holds the whole rebuilt file in memory (only the rebuild's parity.CODING_BUFFER)."""
+ReadInto = Callable[[str, int, memoryview], None]  # (file, offset, target): fill target from the file's offset
 
-    def __init__(self, name: str, size: int, handle: BinaryIO):
-        self.name, self.size, self._handle = name, size, handle
+
+class RebuiltRanges:
+    """A lost or damaged data file, served range by range: each range read is rebuilt from the same range of k
+    other files of its stripe (parity.Decoding), or read from a copy. Nothing is written, a process rebuilds only
+    the bytes it reads (a rank of a resharded load, its share), and at most parity.CODING_THREADS reads decode at
+    once, each holding k pieces of at most `piece` bytes: within parity.CODING_BUFFER whatever the file's size."""
+
+    def __init__(self, name: str, size: int, read_into: ReadInto, *, plan: Decoding | None = None,
+                 copy: str | None = None, segment: int = parity.SEGMENT):
+        self.name, self.size, self._read_into, self._plan, self._copy = name, size, read_into, plan, copy
+        k = len(plan.sources) if plan is not None else 0
+        self._piece = max(MIN_PIECE, min(segment, parity.CODING_BUFFER // (parity.CODING_THREADS * (k + 1))))
+        self._buffers: queue.LifoQueue[list[memoryview] | None] = queue.LifoQueue()
+        for _ in range(parity.CODING_THREADS):  # the slots of the reads decoding at once, filled on first use
+            self._buffers.put(None)
 
     def read_runs(self, runs: Sequence[tuple[int, int]], into: memoryview) -> None:
         """Bytes of each [begin, end) run, one after another into `into`."""
         position = 0
         for begin, end in runs:
-            pread_into(self._handle.fileno(), begin, into[position:position + end - begin], f"{self.name} (rebuilt)")
+            if not 0 <= begin <= end <= self.size:
+                raise CheckpointError(f"bytes [{begin}, {end}) are outside the {self.size} bytes it has",
+                                      file=f"{self.name} (rebuilt)")
+            target = into[position:position + end - begin]
+            if self._copy is not None:
+                self._read_into(self._copy, begin, target)
+            else:
+                self._decode(begin, end, target)
             position += end - begin
 
     def read_ranges(self, runs: Sequence[tuple[int, int]]) -> list[bytes]:
@@ -137,28 +160,36 @@ class RebuiltFile:
             out.append(bytes(buffer))
         return out
 
-    def close(self) -> None:
-        self._handle.close()
+    def _decode(self, begin: int, end: int, target: memoryview) -> None:
+        plan = self._plan
+        assert plan is not None, "a file without a copy has a decoding plan"
+        held = self._buffers.get()  # waits while CODING_THREADS reads are decoding
+        try:
+            if held is None:
+                held = [memoryview(bytearray(self._piece)) for _ in plan.sources]
+            for first in range(begin, end, self._piece):
+                last = min(end, first + self._piece)
+                blocks = [buffer[:last - first] for buffer in held]
+                for (name, size), block in zip(plan.sources, blocks):
+                    have = max(0, min(last, size) - first)  # past a file's end (or in a virtual one): zeros
+                    if name is not None and have:
+                        self._read_into(name, first, block[:have])
+                    if have < len(block):
+                        np.frombuffer(block, np.uint8)[have:] = 0
+                plan.code.apply_into(blocks, target[first - begin:last - begin])
+        finally:
+            self._buffers.put(held)
 
 
-def rebuild_file(manifest: Manifest, lost: str, intact: set[str], read: Callable[[str, int, int], bytes],
-                 folder: str | None = None) -> RebuiltFile:
-    """Rebuild `lost` (recover) into an unlinked temporary file in `folder` (the system's temporary folder by
-    default), checked against the size and CRC-32C the manifest records; CheckpointError when beyond the redundancy
-    or when the bytes do not match (a file it was rebuilt from is damaged too)."""
-    record = all_files(manifest)[lost]
-    chunks = recover(manifest, lost, intact, read)
-    handle = tempfile.TemporaryFile(dir=folder)  # noqa: SIM115 (the RebuiltFile returned owns and closes it)
-    try:
-        running = RunningCrc()
-        for chunk in running.passing(chunks):
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(handle.fileno(), view):]
-        if (running.size, running.value) != (record.size, record.crc32c):
-            raise CheckpointError(f"the rebuilt bytes ({running.size} bytes, CRC-32C {running.value:08x}) do not "
-                                  f"match the {record.size} bytes with CRC-32C {record.crc32c:08x} recorded for it")
-    except BaseException:
-        handle.close()
-        raise
-    return RebuiltFile(lost, record.size, handle)
+def rebuilt_ranges(manifest: Manifest, lost: str, available: set[str], read_into: ReadInto) -> RebuiltRanges:
+    """`lost` served by rebuilding the ranges read (RebuiltRanges) from the available files of its group;
+    CheckpointError when they are beyond the redundancy."""
+    scheme, group = _group(manifest, lost)
+    plan = manifest.redundancy
+    assert plan is not None  # _group refused a manifest without redundancy
+    size = all_files(manifest)[lost].size
+    if scheme.kind == "replicate":
+        return RebuiltRanges(lost, size, read_into, copy=_copy_of(group, lost, available))
+    stripe = Stripe(group.data, tuple(manifest.files[d].size for d in group.data), group.parity)
+    return RebuiltRanges(lost, size, read_into, plan=decoding(stripe, scheme.k, scheme.m, lost, available),
+                         segment=plan.segment)
