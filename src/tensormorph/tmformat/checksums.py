@@ -28,7 +28,7 @@ class RunningCrc:
         self.size = 0
         self.value = 0
 
-    def update(self, data: bytes | memoryview) -> None:
+    def update(self, data: bytes | bytearray | memoryview) -> None:
         self.value = crc32c.crc32c(data, self.value)
         self.size += len(data)
 
@@ -37,6 +37,45 @@ class RunningCrc:
         for chunk in chunks:
             self.update(chunk)
             yield chunk
+
+
+_CASTAGNOLI = 0x82F63B78  # CRC-32C's polynomial, bit-reflected as the CRC computes it
+
+
+def _times(a: int, b: int) -> int:
+    """a * b modulo the polynomial, both bit-reflected (x^0 is the top bit)."""
+    product, bit = 0, 1 << 31
+    while a:
+        if a & bit:
+            product ^= b
+            a ^= bit
+        bit >>= 1
+        b = (b >> 1) ^ _CASTAGNOLI if b & 1 else b >> 1
+    return product
+
+
+def _powers_of_x() -> list[int]:
+    """x^(2^n) modulo the polynomial, n = 0..31 (the shift by 2^n bits)."""
+    powers = [1 << 30]  # x^1
+    for _ in range(31):
+        powers.append(_times(powers[-1], powers[-1]))
+    return powers
+
+
+_X_TO_2N = _powers_of_x()
+
+
+def crc32c_combine(first: int, second: int, second_length: int) -> int:
+    """The CRC-32C of A + B from A's CRC `first`, B's CRC `second` and B's length: parts of one file written by
+    several processes are checksummed whole without reading them again (the method of zlib's crc32_combine:
+    A's CRC shifted by 8 * len(B) zero bits, multiplied in as x^(8 * len(B)) by squaring, then B's added)."""
+    shift, n, exponent = 1 << 31, second_length, 3  # x^0; the length counts bytes: 2^3 bits each
+    while n:
+        if n & 1:
+            shift = _times(_X_TO_2N[exponent % 32], shift)
+        n >>= 1
+        exponent += 1
+    return _times(shift, first) ^ second
 
 
 class BlockCrcs:

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -103,6 +104,11 @@ class LocalDestination:
         f.flush()
         os.fsync(f.fileno())
         f.close()
+
+    def open_shared(self, name: str) -> SharedOutput:
+        """A file of this save that every rank writes parts of in place (the parity files)."""
+        assert self.work is not None, "prepare() or join() first"
+        return SharedOutput(self.work / name)
 
     def read_range(self, name: str, begin: int, end: int) -> bytes:
         """Bytes of a file this save wrote (parity is computed from the data files before the commit)."""
@@ -294,6 +300,43 @@ class _EarlyWriteback(io.RawIOBase):
         if not self.closed:
             os.close(self._fd)
         super().close()
+
+
+class SharedOutput:
+    """A file of the save's own folder that several ranks write at once, each its own byte ranges (pwrite), with
+    writeback started as it goes (as _EarlyWriteback). Whichever rank comes first creates it: never through a
+    link (O_NOFOLLOW), and a file found there that is not a plain file of one name is refused."""
+
+    def __init__(self, path: Path):
+        self._fd = os.open(path, (NEW_FILE_FLAGS & ~os.O_EXCL) | os.O_CLOEXEC, 0o644)
+        self._path = path
+        self._unflushed: list[tuple[int, int]] = []
+        try:
+            found = os.fstat(self._fd)
+            if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1:
+                raise CheckpointError("is not a plain file of this save (a link or another kind of file was "
+                                      "there before it)", file=str(path))
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def write_at(self, offset: int, data: bytes | bytearray) -> None:
+        view, done = memoryview(data).cast("B"), 0
+        while done < len(view):
+            done += os.pwrite(self._fd, view[done:], offset + done)
+        self._unflushed.append((offset, len(view)))
+        if sum(length for _, length in self._unflushed) >= WRITEBACK_PIECE:
+            for begin, length in self._unflushed:
+                _start_writeback(self._fd, begin, length)
+            self._unflushed.clear()
+
+    def finish(self) -> None:
+        os.fsync(self._fd)  # also what other ranks wrote by then: harmless, each syncs before it reports
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def _libc() -> Any:

@@ -79,3 +79,21 @@ class Code:
             _gf256.mul_add(self._row, blocks, [out])
         else:
             out[:] = _zfec_block(self._coders, self.k, self.inputs, self.output, [bytes(b) for b in blocks])
+
+
+class ParityRows:
+    """All m parity blocks of zfec's (k, k + m) code from the k primary blocks at once: one pass over the inputs
+    (a rank encoding its share of a stripe makes every parity file's part of it)."""
+
+    def __init__(self, k: int, m: int):
+        self.k, self.m = k, m
+        self._matrix = b"".join(row(k, k + m, tuple(range(k)), k + j) for j in range(m)) if available() else b""
+        self._coders = None if available() else _Coders(k, k + m)
+
+    def apply(self, blocks: Sequence[bytes]) -> list[bytes | bytearray]:
+        if self._coders is None:
+            assert _gf256 is not None
+            out: list[bytes | bytearray] = [bytearray(len(blocks[0])) for _ in range(self.m)]
+            _gf256.mul_add(self._matrix, blocks, out)
+            return out
+        return list(self._coders.encoder.encode(list(blocks), tuple(range(self.k, self.k + self.m))))

@@ -13,9 +13,13 @@ ranks where the world is larger than k.
 `replicate:n`: each rank's file is copied n-1 times, copy i belonging to rank
 (r + i) mod world, for node-local storage tiers.
 
-Each parity file and copy is written whole by the rank that owns it
-(write_extras). Encoding and rebuilding run CODING_THREADS segments at once and
-hold at most CODING_BUFFER bytes (in_order), whatever the files' size.
+Each copy, and each parity file on an object store, is written whole by the rank
+that owns it (write_extras). On a file system every rank writes its `share` of
+every stripe's parity in place, all m files in one pass over its part of the
+data, so the encoding and its writes are spread over the whole world rather than
+m ranks while the others wait. Encoding and rebuilding run CODING_THREADS
+segments at once and hold at most CODING_BUFFER bytes (in_order), whatever the
+files' size.
 
 The manifest records every parity file and copy with its size and CRC-32C,
 so damage anywhere is detected and, within the budget, repaired bit-exact.
@@ -31,6 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol, TypeVar
 
 from ..errors import CheckpointError
 from . import linear_code
@@ -131,13 +136,16 @@ def _segments(length: int, segment: int) -> Iterator[tuple[int, int]]:
         yield begin, min(length, begin + segment)
 
 
-def _ahead(k: int, segment: int) -> int:
+def _ahead(k: int, segment: int, outputs: int = 1) -> int:
     """Segments in flight for a k-wide stripe: one per thread, fewer where CODING_BUFFER holds fewer, at least one
     (measured: more in flight than threads only evicts the caches and scatters the reads)."""
-    return max(1, min(CODING_THREADS, CODING_BUFFER // ((k + 1) * max(1, segment))))
+    return max(1, min(CODING_THREADS, CODING_BUFFER // ((k + outputs) * max(1, segment))))
 
 
-def in_order(steps: Iterator[Callable[[], bytes]], ahead: int) -> Iterator[bytes]:
+T = TypeVar("T")
+
+
+def in_order(steps: Iterator[Callable[[], T]], ahead: int) -> Iterator[T]:
     """The results of `steps`, run on CODING_THREADS threads with at most `ahead` submitted and not yet taken,
     yielded in order. The first failure is raised in order; a consumer that stops early cancels the rest. A single
     step (a file within one segment, the common small case) runs here, without starting threads."""
@@ -148,7 +156,7 @@ def in_order(steps: Iterator[Callable[[], bytes]], ahead: int) -> Iterator[bytes
             yield step()
         return
     steps = itertools.chain(head, steps)
-    pending: deque[Future[bytes]] = deque()
+    pending: deque[Future[T]] = deque()
     with ThreadPoolExecutor(max_workers=min(ahead, CODING_THREADS), thread_name_prefix="tm-coding") as pool:
         try:
             for step in steps:
@@ -214,6 +222,36 @@ def decoding(stripe: Stripe, k: int, m: int, lost: str, available: set[str]) -> 
                     linear_code.Code(k, k + m, chosen, target))
 
 
+def share(lengths: Sequence[int], world: int, rank: int, segment: int = SEGMENT) -> list[tuple[int, int, int]]:
+    """The parts of the stripes' parity that `rank` of `world` encodes, as (stripe, begin, end): the stripes'
+    segments, one after another, cut into `world` runs as even as whole segments allow (balanced however many
+    stripes there are, and each stripe's files read once per segment for all m parity files)."""
+    counts = [-(-length // segment) for length in lengths]
+    total = sum(counts)
+    first, stop = total * rank // world, total * (rank + 1) // world
+    out, before = [], 0
+    for s, (count, length) in enumerate(zip(counts, lengths)):
+        low, high = max(first, before), min(stop, before + count)
+        if low < high:
+            out.append((s, (low - before) * segment, min(length, (high - before) * segment)))
+        before += count
+    return out
+
+
+def encode_share(stripe: Stripe, k: int, m: int, begin: int, end: int, read: Reader,
+                 segment: int = SEGMENT) -> Iterator[tuple[int, list[bytes | bytearray]]]:
+    """Bytes [begin, end) of each of a stripe's m parity files, segment by segment: (offset, m blocks)."""
+    files: list[str | None] = list(stripe.data) + [None] * (k - len(stripe.data))
+    sizes = list(stripe.sizes) + [0] * (k - len(stripe.sizes))
+    code = linear_code.ParityRows(k, m)
+
+    def step(first: int, stop: int) -> tuple[int, list[bytes | bytearray]]:
+        return first, code.apply(tuple(_padded(read, f, n, first, stop) for f, n in zip(files, sizes)))
+
+    pieces = ((b, min(end, b + segment)) for b in range(begin, end, segment))
+    return in_order((partial(step, b, e) for b, e in pieces), _ahead(k, segment, m))
+
+
 def rebuild(stripe: Stripe, k: int, m: int, lost: str, available: set[str], read: Reader,
             segment: int = SEGMENT) -> Iterator[bytes]:
     """The bytes of file `lost` (data or parity) of a stripe, rebuilt from k available files, segment by segment.
@@ -233,30 +271,70 @@ def copied(read: Reader, file: str, size: int, segment: int = SEGMENT) -> Iterat
     return in_order((partial(read, file, b, e) for b, e in _segments(size, segment)), _ahead(0, segment))
 
 
-def write_extras(scheme: Scheme, data_files: Sequence[tuple[str, int]], rank: int, world: int, read: Reader,
-                 write: Callable[[str, Iterator[bytes]], None], prefix: str = "") -> dict[str, tuple[int, int]]:
-    """Write the parity files (or copies) that `rank` is responsible for; returns {file: (size, crc32c)}.
+class SharedFile(Protocol):
+    """A file several processes write at once, each its own byte ranges (a parity file on a shared file system)."""
 
-    `read` reads the committed-to-be data files; `write(name, chunks)` stores one file durably.
+    def write_at(self, offset: int, data: bytes | bytearray) -> None: ...
+
+    def finish(self) -> None:
+        """Make this process's writes durable."""
+
+    def close(self) -> None: ...
+
+
+Written = dict[str, tuple[int, int, int]]  # what one rank wrote of each file: name -> (offset, length, CRC-32C)
+
+
+def write_extras(scheme: Scheme, data_files: Sequence[tuple[str, int]], rank: int, world: int, read: Reader,
+                 write: Callable[[str, Iterator[bytes]], None], prefix: str = "",
+                 open_shared: Callable[[str], SharedFile] | None = None) -> Written:
+    """Write the parity (or copies) that `rank` is responsible for; returns what it wrote of each file.
+
+    `read` reads the committed-to-be data files; `write(name, chunks)` stores one file durably. With
+    `open_shared` (a destination every rank writes in place), every rank encodes its `share` of every stripe's
+    parity, all m files in one pass; otherwise each parity file is encoded whole by its `parity_writer`.
     """
-    done: dict[str, tuple[int, int]] = {}
+    done: Written = {}
 
     def stored(name: str, chunks: Iterator[bytes]) -> None:
         running = RunningCrc()
         write(name, running.passing(chunks))
-        done[name] = (running.size, running.value)
+        done[name] = (0, running.size, running.value)
 
     if scheme.kind == "rs":
-        for s, stripe in enumerate(stripes(data_files, scheme.k, scheme.m, prefix)):
-            for j, name in enumerate(stripe.parity):
-                if parity_writer(s, j, scheme.k, world) == rank:
-                    stored(name, encode_parity(stripe, scheme.k, scheme.m, j, read))
+        all_stripes = stripes(data_files, scheme.k, scheme.m, prefix)
+        for s, stripe in enumerate(all_stripes):  # whole, by one rank each: without shared writes, or empty
+            if open_shared is None or stripe.length == 0:
+                for j, name in enumerate(stripe.parity):
+                    if parity_writer(s, j, scheme.k, world) == rank:
+                        stored(name, encode_parity(stripe, scheme.k, scheme.m, j, read))
+        if open_shared is not None:
+            for s, begin, end in share([stripe.length for stripe in all_stripes], world, rank):
+                done.update(_encode_in_place(all_stripes[s], scheme, begin, end, read, open_shared))
     else:
         for source_rank, (name, size) in enumerate(data_files):
             for copy in range(1, scheme.copies):
                 if (source_rank + copy) % world == rank:
                     stored(replica_file(name, copy), copied(read, name, size))
     return done
+
+
+def _encode_in_place(stripe: Stripe, scheme: Scheme, begin: int, end: int, read: Reader,
+                     open_shared: Callable[[str], SharedFile]) -> Written:
+    """Bytes [begin, end) of every parity file of a stripe, written in place."""
+    outputs = [open_shared(name) for name in stripe.parity]
+    try:
+        crcs = [RunningCrc() for _ in outputs]
+        for offset, blocks in encode_share(stripe, scheme.k, scheme.m, begin, end, read):
+            for output, crc, block in zip(outputs, crcs, blocks):
+                output.write_at(offset, block)
+                crc.update(block)
+        for output in outputs:
+            output.finish()
+    finally:
+        for output in outputs:
+            output.close()
+    return {name: (begin, crc.size, crc.value) for name, crc in zip(stripe.parity, crcs)}
 
 
 def overhead(scheme: Scheme, sizes: Sequence[int]) -> float:

@@ -24,14 +24,14 @@ import numpy as np
 
 from .. import dtypes
 from ..core import Chunk
-from ..errors import ChunkLayoutError, HeaderError
+from ..errors import CheckpointError, ChunkLayoutError, HeaderError
 from ..tiling import LayoutOnly, validate_tiling
 from ..version import __version__
-from .checksums import CHECKSUM_BLOCK
-from .commit import destination, store
+from .checksums import CHECKSUM_BLOCK, crc32c_combine
+from .commit import LocalDestination, destination, store
 from .layout import assign_writers
 from .manifest import ChunkRecord, FileRecord, Manifest, Redundancy, TensorRecord, rank_file
-from .parity import SEGMENT, Scheme, parse_scheme, stripes, write_extras
+from .parity import SEGMENT, Scheme, parity_writer, parse_scheme, stripes, write_extras
 from .stream import OutputFile, TensorSpec, Written, write_stream
 
 SHARDING_KEY = "DCP_SHARDING_INFO"  # DCP's HuggingFaceStorageReader reads each chunk's offsets from here
@@ -163,18 +163,38 @@ def build_manifest(pieces: Iterable[Piece], writers: dict[Key, int], written: di
     return Manifest(tensors, objects, files, world_size, writer, created, extra or {})
 
 
-Extras = dict[str, tuple[int, int]]  # the parity files or copies one rank wrote: name -> (size, CRC-32C)
+Extras = dict[str, tuple[int, int, int]]  # what one rank wrote of parity files or copies: name -> (offset, length,
+# CRC-32C of those bytes); a file several ranks wrote in place comes in several parts
 
 
 def redundancy_record(scheme: Scheme, data_files: dict[str, FileRecord], extras: Sequence[Extras],
                       prefix: str = "") -> Redundancy:
-    """The manifest's redundancy section from every rank's written parity files or copies."""
-    files = {name: FileRecord(size, crc, rank) for rank, done in enumerate(extras)
-             for name, (size, crc) in done.items()}
+    """The manifest's redundancy section from every rank's written parity files or copies: each file's parts,
+    which must cover it end to end, give its size and CRC-32C (crc32c_combine, no file read again)."""
+    parts: dict[str, list[tuple[int, int, int, int]]] = {}
+    for rank, done in enumerate(extras):
+        for name, (offset, length, crc) in done.items():
+            parts.setdefault(name, []).append((offset, length, crc, rank))
     ordered = sorted((name, record.size) for name, record in data_files.items())
-    layout = tuple((s.data, s.parity) for s in stripes(ordered, scheme.k, scheme.m, prefix)) \
-        if scheme.kind == "rs" else ()
-    return Redundancy(str(scheme), SEGMENT, files, layout)
+    all_stripes = stripes(ordered, scheme.k, scheme.m, prefix) if scheme.kind == "rs" else []
+    owners = {name: (parity_writer(s, j, scheme.k, len(extras)), stripe.length)
+              for s, stripe in enumerate(all_stripes) for j, name in enumerate(stripe.parity)}
+    files = {}
+    for name, pieces in parts.items():
+        pieces.sort()
+        size = crc = 0
+        for offset, length, part_crc, _ in pieces:
+            if offset != size:
+                raise CheckpointError(f"the parts of {name} written by the ranks leave bytes [{size}, {offset}) "
+                                      "unwritten or overlap")
+            crc, size = crc32c_combine(crc, part_crc, length), size + length
+        owner, length = owners.get(name, (pieces[0][3], size))
+        if size != length:
+            raise CheckpointError(f"the ranks wrote {size} bytes of {name}, its stripe is {length} bytes long")
+        files[name] = FileRecord(size, crc, owner)
+    if missing := sorted(set(owners) - set(files)):
+        raise CheckpointError(f"no rank wrote the parity files {', '.join(missing)}")
+    return Redundancy(str(scheme), SEGMENT, files, tuple((s.data, s.parity) for s in all_stripes))
 
 
 Blocks = Callable[[], Iterable[np.ndarray]]  # a chunk's data, produced in C-order blocks when its turn comes
@@ -236,8 +256,9 @@ class SaveTransaction:
         if self.scheme is None:
             return {}
         data_files = [(self.target.file_prefix + rank_file(r), size) for r, size in enumerate(sizes)]
+        shared = self.target.open_shared if isinstance(self.target, LocalDestination) else None
         return write_extras(self.scheme, data_files, rank, len(sizes), self.target.read_range,
-                            partial(store, self.target), prefix=self.target.file_prefix)
+                            partial(store, self.target), prefix=self.target.file_prefix, open_shared=shared)
 
     def commit(self, results: Sequence[RankResult], extras: Sequence[Extras], objects: dict[str, Any]) -> Manifest:
         written = {rank: (result.keys, result.written) for rank, result in enumerate(results)}
