@@ -136,3 +136,23 @@ def test_a_shared_file_is_never_written_through_a_link(tmp_path) -> None:
         output.finish()
         output.close()
     assert (tmp_path / "p.bin").read_bytes() == b"abcdef"
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False], ids=["copy_file_range", "through-the-process"])
+def test_copies_are_made_in_place_bit_exact(dcp_ckpt, tmp_path, monkeypatch, kernel_copy) -> None:
+    if not kernel_copy:  # a file system pair without copy_file_range: the copy goes through this process
+        def refuse(*_args: object) -> int:
+            raise OSError(18, "Invalid cross-device link")
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    out = tmp_path / "ck"
+    tm.convert(dcp_ckpt, out, to="tensormorph", mesh=4, placements=["Shard(0)"], redundancy="replicate:2")
+    manifest = read_manifest(LocalFiles(out), str(out))
+    assert manifest.redundancy is not None
+    copies = manifest.redundancy.files
+    assert len(copies) == 4
+    for rank in range(4):
+        data, copy = f"rank-{rank:05d}.safetensors", f"rank-{rank:05d}.copy1.safetensors"
+        assert (out / copy).read_bytes() == (out / data).read_bytes()
+        assert copies[copy] == FileRecord(manifest.files[data].size, crc32c.crc32c((out / copy).read_bytes()),
+                                          (rank + 1) % 4)
+    assert tm.verify(out).ok

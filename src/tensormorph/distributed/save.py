@@ -96,8 +96,7 @@ def _save(state_dict: dict[str, Any], path: str | os.PathLike[str], process_grou
     errors = failures(results)
     extras = []
     if save.scheme is not None and not errors:
-        sizes = [r.unwrap().written.size for r in results]
-        extras = group.everyone(lambda: save.write_redundancy(group.rank, sizes),
+        extras = group.everyone(lambda: save.write_redundancy(group.rank, [r.unwrap().written for r in results]),
                                 label=f"rank {group.rank} writing redundancy: ")
         errors += failures(extras)
 

@@ -378,7 +378,7 @@ def _to_tensormorph(ck: Checkpoint, destination: Path | str, specs: list[TensorS
     try:
         results = _by_rank(team.each(lambda: {rank: write(rank) for rank in range(len(chosen)) if rank in mine}))
         sizes = [result.written.size for result in results]
-        extras = _by_rank(team.each(lambda: {rank: save.write_redundancy(rank, sizes)
+        extras = _by_rank(team.each(lambda: {rank: save.write_redundancy(rank, [r.written for r in results])
                                              for rank in range(len(results)) if rank in mine}))
         manifest = team.each(lambda: save.commit(results, extras, objects) if team.rank == 0 else None)[0]
         assert manifest is not None  # rank 0 committed

@@ -14,7 +14,8 @@ ranks where the world is larger than k.
 (r + i) mod world, for node-local storage tiers.
 
 Each copy, and each parity file on an object store, is written whole by the rank
-that owns it (write_extras). On a file system every rank writes its `share` of
+that owns it (write_extras); on a file system a copy is made by the kernel
+(copy_file_range), its CRC-32C that of its data file. On a file system every rank writes its `share` of
 every stripe's parity in place, all m files in one pass over its part of the
 data, so the encoding and its writes are spread over the whole world rather than
 m ranks while the others wait. Encoding and rebuilding run CODING_THREADS
@@ -285,14 +286,23 @@ class SharedFile(Protocol):
 Written = dict[str, tuple[int, int, int]]  # what one rank wrote of each file: name -> (offset, length, CRC-32C)
 
 
-def write_extras(scheme: Scheme, data_files: Sequence[tuple[str, int]], rank: int, world: int, read: Reader,
+class InPlace(Protocol):
+    """A destination whose files every rank can write in place (a file system)."""
+
+    def open_shared(self, name: str) -> SharedFile: ...
+
+    def copy_file(self, source: str, name: str) -> None: ...
+
+
+def write_extras(scheme: Scheme, data_files: Sequence[tuple[str, int, int]], rank: int, world: int, read: Reader,
                  write: Callable[[str, Iterator[bytes]], None], prefix: str = "",
-                 open_shared: Callable[[str], SharedFile] | None = None) -> Written:
+                 in_place: InPlace | None = None) -> Written:
     """Write the parity (or copies) that `rank` is responsible for; returns what it wrote of each file.
 
-    `read` reads the committed-to-be data files; `write(name, chunks)` stores one file durably. With
-    `open_shared` (a destination every rank writes in place), every rank encodes its `share` of every stripe's
-    parity, all m files in one pass; otherwise each parity file is encoded whole by its `parity_writer`.
+    `data_files` are (name, size, CRC-32C) in rank order; `read` reads them; `write(name, chunks)` stores one file
+    durably. With `in_place` (a file system), every rank encodes its `share` of every stripe's parity, all m files
+    in one pass, and copies are made by the kernel (their CRC-32C is their data file's); otherwise each parity file
+    is encoded whole by its `parity_writer`, and copies pass through this process.
     """
     done: Written = {}
 
@@ -302,20 +312,24 @@ def write_extras(scheme: Scheme, data_files: Sequence[tuple[str, int]], rank: in
         done[name] = (0, running.size, running.value)
 
     if scheme.kind == "rs":
-        all_stripes = stripes(data_files, scheme.k, scheme.m, prefix)
-        for s, stripe in enumerate(all_stripes):  # whole, by one rank each: without shared writes, or empty
-            if open_shared is None or stripe.length == 0:
+        all_stripes = stripes([(name, size) for name, size, _ in data_files], scheme.k, scheme.m, prefix)
+        for s, stripe in enumerate(all_stripes):  # whole, by one rank each: not in place, or empty
+            if in_place is None or stripe.length == 0:
                 for j, name in enumerate(stripe.parity):
                     if parity_writer(s, j, scheme.k, world) == rank:
                         stored(name, encode_parity(stripe, scheme.k, scheme.m, j, read))
-        if open_shared is not None:
+        if in_place is not None:
             for s, begin, end in share([stripe.length for stripe in all_stripes], world, rank):
-                done.update(_encode_in_place(all_stripes[s], scheme, begin, end, read, open_shared))
+                done.update(_encode_in_place(all_stripes[s], scheme, begin, end, read, in_place.open_shared))
     else:
-        for source_rank, (name, size) in enumerate(data_files):
+        for source_rank, (name, size, crc) in enumerate(data_files):
             for copy in range(1, scheme.copies):
                 if (source_rank + copy) % world == rank:
-                    stored(replica_file(name, copy), copied(read, name, size))
+                    if in_place is None:
+                        stored(replica_file(name, copy), copied(read, name, size))
+                    else:
+                        in_place.copy_file(name, replica_file(name, copy))
+                        done[replica_file(name, copy)] = (0, size, crc)
     return done
 
 

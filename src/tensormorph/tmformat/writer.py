@@ -251,14 +251,14 @@ class SaveTransaction:
             self.target.finish_file(f)
         return RankResult([piece.key for piece, _ in chunks], written, objects)
 
-    def write_redundancy(self, rank: int, sizes: Sequence[int]) -> Extras:
-        """This rank's parity files or copies, computed from every rank's data file (`sizes` in rank order)."""
+    def write_redundancy(self, rank: int, written: Sequence[Written]) -> Extras:
+        """This rank's parity files or copies, computed from every rank's data file (`written` in rank order)."""
         if self.scheme is None:
             return {}
-        data_files = [(self.target.file_prefix + rank_file(r), size) for r, size in enumerate(sizes)]
-        shared = self.target.open_shared if isinstance(self.target, LocalDestination) else None
-        return write_extras(self.scheme, data_files, rank, len(sizes), self.target.read_range,
-                            partial(store, self.target), prefix=self.target.file_prefix, open_shared=shared)
+        data_files = [(self.target.file_prefix + rank_file(r), w.size, w.crc32c) for r, w in enumerate(written)]
+        in_place = self.target if isinstance(self.target, LocalDestination) else None
+        return write_extras(self.scheme, data_files, rank, len(written), self.target.read_range,
+                            partial(store, self.target), prefix=self.target.file_prefix, in_place=in_place)
 
     def commit(self, results: Sequence[RankResult], extras: Sequence[Extras], objects: dict[str, Any]) -> Manifest:
         written = {rank: (result.keys, result.written) for rank, result in enumerate(results)}
