@@ -23,6 +23,7 @@ from ..storage import LocalFiles, create_new
 from ..tmformat.checkpoint import read_manifest, root_of
 from ..tmformat.checksums import RunningCrc
 from ..tmformat.integrity import file_problem
+from ..tmformat.linear_code import BytesLike
 from ..tmformat.manifest import FileRecord
 from ..tmformat.recovery import all_files, recover
 from .verify import VerifyReport, verify
@@ -83,7 +84,7 @@ def repair(path: str | Path) -> RepairReport:
     return report
 
 
-def write_checked(path: Path, chunks: Iterable[bytes]) -> tuple[int, int]:
+def write_checked(path: Path, chunks: Iterable[BytesLike]) -> tuple[int, int]:
     """Write a stream of byte strings to a new file `path` durably; returns (size, CRC-32C) of what was written.
 
     The file must not exist, and a link at `path` is refused rather than followed: repairs write inside a
@@ -98,7 +99,7 @@ def write_checked(path: Path, chunks: Iterable[bytes]) -> tuple[int, int]:
     return running.size, running.value
 
 
-def _rewrite(files: LocalFiles, name: str, record: FileRecord, chunks: Iterable[bytes]) -> None:
+def _rewrite(files: LocalFiles, name: str, record: FileRecord, chunks: Iterable[BytesLike]) -> None:
     files.resolve(name)  # confined to the folder
     # The rebuilt file replaces the name itself: were it a planted link, its target is left alone
     final = files.root / name

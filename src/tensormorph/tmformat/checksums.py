@@ -32,7 +32,7 @@ class RunningCrc:
         self.value = crc32c.crc32c(data, self.value)
         self.size += len(data)
 
-    def passing(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
+    def passing(self, chunks: Iterable[bytes | bytearray | memoryview]) -> Iterator[bytes | bytearray | memoryview]:
         """`chunks` unchanged, counted on their way through."""
         for chunk in chunks:
             self.update(chunk)

@@ -22,6 +22,9 @@ except ImportError:  # built without a C compiler: zfec codes every segment
     _gf256 = None
 
 
+BytesLike = bytes | bytearray | memoryview  # blocks come from reads, memory maps and buffers alike
+
+
 def available() -> bool:
     return _gf256 is not None
 
@@ -37,8 +40,9 @@ class _Coders(threading.local):
         self.encoder, self.decoder = zfec.Encoder(k, n), zfec.Decoder(k, n)
 
 
-def _zfec_block(coders: _Coders, k: int, inputs: tuple[int, ...], output: int, blocks: Sequence[bytes]) -> bytes:
+def _zfec_block(coders: _Coders, k: int, inputs: tuple[int, ...], output: int, blocks: Sequence[BytesLike]) -> bytes:
     """Block `output` of zfec's (k, n) code from the k blocks numbered `inputs`, by zfec."""
+    blocks = [bytes(b) if isinstance(b, memoryview) else b for b in blocks]
     primaries = list(blocks) if inputs == tuple(range(k)) else list(coders.decoder.decode(blocks, inputs))
     return bytes(primaries[output] if output < k else coders.encoder.encode(primaries, (output,))[0])
 
@@ -50,7 +54,7 @@ def row(k: int, n: int, inputs: tuple[int, ...], output: int) -> bytes:
     return bytes(_zfec_block(coders, k, inputs, output, _unit(k, place))[0] for place in range(k))
 
 
-def combine(coefficients: bytes, blocks: Sequence[bytes]) -> bytearray:
+def combine(coefficients: bytes, blocks: Sequence[BytesLike]) -> bytearray:
     """The sum over i of coefficients[i] * blocks[i] in GF(2^8), for blocks of one length (the kernel must be built)."""
     assert _gf256 is not None
     out = bytearray(len(blocks[0]))
@@ -67,7 +71,7 @@ class Code:
         self._row = row(k, n, self.inputs, output) if available() else b""
         self._coders = None if available() else _Coders(k, n)
 
-    def apply(self, blocks: Sequence[bytes]) -> bytes:
+    def apply(self, blocks: Sequence[BytesLike]) -> bytes:
         if self._coders is None:
             return bytes(combine(self._row, blocks))
         return _zfec_block(self._coders, self.k, self.inputs, self.output, blocks)
@@ -78,7 +82,7 @@ class Code:
             assert _gf256 is not None
             _gf256.mul_add(self._row, blocks, [out])
         else:
-            out[:] = _zfec_block(self._coders, self.k, self.inputs, self.output, [bytes(b) for b in blocks])
+            out[:] = _zfec_block(self._coders, self.k, self.inputs, self.output, blocks)
 
 
 class ParityRows:
@@ -90,10 +94,11 @@ class ParityRows:
         self._matrix = b"".join(row(k, k + m, tuple(range(k)), k + j) for j in range(m)) if available() else b""
         self._coders = None if available() else _Coders(k, k + m)
 
-    def apply(self, blocks: Sequence[bytes]) -> list[bytes | bytearray]:
+    def apply(self, blocks: Sequence[BytesLike]) -> list[bytes | bytearray]:
         if self._coders is None:
             assert _gf256 is not None
             out: list[bytes | bytearray] = [bytearray(len(blocks[0])) for _ in range(self.m)]
             _gf256.mul_add(self._matrix, blocks, out)
             return out
-        return list(self._coders.encoder.encode(list(blocks), tuple(range(self.k, self.k + self.m))))
+        blocks = [bytes(b) if isinstance(b, memoryview) else b for b in blocks]
+        return list(self._coders.encoder.encode(blocks, tuple(range(self.k, self.k + self.m))))

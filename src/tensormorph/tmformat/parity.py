@@ -41,6 +41,7 @@ from typing import Protocol, TypeVar
 from ..errors import CheckpointError
 from . import linear_code
 from .checksums import RunningCrc
+from .linear_code import BytesLike
 
 SEGMENT = 4 * 1024**2  # bytes of each file encoded per zfec call
 
@@ -59,7 +60,7 @@ CODING_BUFFER = 256 * 1024**2  # bytes of segments one encode or rebuild holds a
 _RS = re.compile(r"^rs\((\d+),\s*(\d+)\)$")
 _REPLICATE = re.compile(r"^replicate:(\d+)$")
 
-Reader = Callable[[str, int, int], bytes]  # (file, begin, end) -> bytes, for files that exist
+Reader = Callable[[str, int, int], BytesLike]  # (file, begin, end) -> its bytes, for files that exist
 
 
 @dataclass(frozen=True)
@@ -171,12 +172,12 @@ def in_order(steps: Iterator[Callable[[], T]], ahead: int) -> Iterator[T]:
                 future.cancel()
 
 
-def _padded(read: Reader, file: str | None, size: int, begin: int, end: int) -> bytes:
+def _padded(read: Reader, file: str | None, size: int, begin: int, end: int) -> BytesLike:
     """Bytes [begin, end) of a data file, zero-padded past its end (virtual files are all zeros)."""
     if file is None or begin >= size:
         return bytes(end - begin)
     data = read(file, begin, min(end, size))
-    return data + bytes(end - begin - len(data))
+    return data if len(data) == end - begin else bytes(data) + bytes(end - begin - len(data))
 
 
 def encode_parity(stripe: Stripe, k: int, m: int, index: int, read: Reader,
@@ -201,7 +202,7 @@ class Decoding:
     size: int  # the lost file's own length: a short data file's padding past its end is not rebuilt
     code: linear_code.Code
 
-    def sources_of(self, read: Reader, begin: int, end: int) -> tuple[bytes, ...]:
+    def sources_of(self, read: Reader, begin: int, end: int) -> tuple[BytesLike, ...]:
         return tuple(_padded(read, name, size, begin, end) for name, size in self.sources)
 
 
@@ -267,7 +268,7 @@ def rebuild(stripe: Stripe, k: int, m: int, lost: str, available: set[str], read
     return in_order((partial(step, b, e) for b, e in _segments(plan.size, segment)), _ahead(k, segment))
 
 
-def copied(read: Reader, file: str, size: int, segment: int = SEGMENT) -> Iterator[bytes]:
+def copied(read: Reader, file: str, size: int, segment: int = SEGMENT) -> Iterator[BytesLike]:
     """A file, segment by segment, several segments read at once (a copy made or restored)."""
     return in_order((partial(read, file, b, e) for b, e in _segments(size, segment)), _ahead(0, segment))
 
@@ -295,7 +296,7 @@ class InPlace(Protocol):
 
 
 def write_extras(scheme: Scheme, data_files: Sequence[tuple[str, int, int]], rank: int, world: int, read: Reader,
-                 write: Callable[[str, Iterator[bytes]], None], prefix: str = "",
+                 write: Callable[[str, Iterator[BytesLike]], None], prefix: str = "",
                  in_place: InPlace | None = None) -> Written:
     """Write the parity (or copies) that `rank` is responsible for; returns what it wrote of each file.
 
@@ -306,7 +307,7 @@ def write_extras(scheme: Scheme, data_files: Sequence[tuple[str, int, int]], ran
     """
     done: Written = {}
 
-    def stored(name: str, chunks: Iterator[bytes]) -> None:
+    def stored(name: str, chunks: Iterator[BytesLike]) -> None:
         running = RunningCrc()
         write(name, running.passing(chunks))
         done[name] = (0, running.size, running.value)

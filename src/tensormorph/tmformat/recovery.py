@@ -16,8 +16,9 @@ import numpy as np
 
 from ..errors import CheckpointError
 from . import parity
+from .linear_code import BytesLike
 from .manifest import FileRecord, Manifest
-from .parity import Decoding, Scheme, Stripe, copied, decoding, parse_scheme, rebuild, replica_file
+from .parity import Decoding, Reader, Scheme, Stripe, copied, decoding, parse_scheme, rebuild, replica_file
 
 MIN_PIECE = 4096  # the least a degraded read decodes per step, however wide the stripe and small the buffer
 
@@ -86,7 +87,7 @@ def _group(manifest: Manifest, lost: str) -> tuple[Scheme, _Group]:
     return scheme, group
 
 
-def recover(manifest: Manifest, lost: str, intact: set[str], read: Callable[[str, int, int], bytes]) -> Iterator[bytes]:
+def recover(manifest: Manifest, lost: str, intact: set[str], read: Reader) -> Iterator[BytesLike]:
     """The bytes of file `lost`, rebuilt from parity or a copy; CheckpointError when beyond the redundancy.
 
     Segments are read and decoded on several threads ahead of the consumer, holding at most

@@ -257,8 +257,12 @@ class SaveTransaction:
             return {}
         data_files = [(self.target.file_prefix + rank_file(r), w.size, w.crc32c) for r, w in enumerate(written)]
         in_place = self.target if isinstance(self.target, LocalDestination) else None
-        return write_extras(self.scheme, data_files, rank, len(written), self.target.read_range,
-                            partial(store, self.target), prefix=self.target.file_prefix, in_place=in_place)
+        try:
+            return write_extras(self.scheme, data_files, rank, len(written), self.target.read_range,
+                                partial(store, self.target), prefix=self.target.file_prefix, in_place=in_place)
+        finally:
+            if in_place is not None:
+                in_place.release_maps()
 
     def commit(self, results: Sequence[RankResult], extras: Sequence[Extras], objects: dict[str, Any]) -> Manifest:
         written = {rank: (result.keys, result.written) for rank, result in enumerate(results)}
