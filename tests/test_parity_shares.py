@@ -22,8 +22,8 @@ from tensormorph.storage import LocalFiles
 from tensormorph.tmformat import linear_code
 from tensormorph.tmformat.checkpoint import read_manifest
 from tensormorph.tmformat.checksums import crc32c_combine
-from tensormorph.tmformat.commit import SharedOutput
 from tensormorph.tmformat.manifest import FileRecord
+from tensormorph.tmformat.output_files import SharedOutput
 from tensormorph.tmformat.parity import Stripe, encode_parity, parse_scheme, share
 from tensormorph.tmformat.writer import redundancy_record
 

@@ -11,16 +11,13 @@ and a marker file says which save it was part of.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import hashlib
-import io
 import json
 import mmap
 import os
 import shutil
 import socket
-import stat
 import threading
 import time
 import uuid
@@ -31,8 +28,9 @@ from typing import Any, BinaryIO
 
 from ..errors import CheckpointError
 from ..extras import require_for_url
-from ..storage import NEW_FILE_FLAGS, closed_in_children, create_new, is_url, local_path
+from ..storage import closed_in_children, create_new, is_url, local_path
 from .manifest import GENERATION_PREFIX, INIT_PREFIX, MANIFEST, MAX_MANIFEST_BYTES, SAVE_MARKER, TEMP_PREFIX, parse
+from .output_files import LIBC, EarlyWriteback, SharedOutput
 from .recovery import all_files
 from .stream import OutputFile
 
@@ -100,7 +98,7 @@ class LocalDestination:
 
     def open(self, name: str) -> OutputFile:
         assert self.work is not None, "prepare() or join() first"
-        return _EarlyWriteback(self.work / name)
+        return EarlyWriteback(self.work / name)
 
     @staticmethod
     def finish_file(f: OutputFile) -> None:
@@ -299,108 +297,6 @@ def destination(path: str | os.PathLike[str], *, overwrite: bool = False,
     return LocalDestination(path, overwrite=overwrite)
 
 
-class _EarlyWriteback(io.RawIOBase):
-    """A write-only file that asks the kernel to start writing back every WRITEBACK_PIECE bytes.
-
-    Linux starts background writeback only when dirty pages pass a share of RAM, so a save smaller
-    than that would sit in the page cache until the final fsync and then wait for the whole disk
-    write. Starting writeback as we go lets the disk work while the rest is written, and fsync waits
-    only for the tail. sync_file_range(WRITE) does this and keeps the pages cached (parity is computed
-    from them next); where it is unavailable, posix_fadvise(DONTNEED) starts writeback too.
-    """
-
-    def __init__(self, path: Path):
-        super().__init__()
-        self._fd = os.open(path, NEW_FILE_FLAGS, 0o644)
-        self._position = self._flushed = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view):
-            done += os.write(self._fd, view[done:])
-        self._position += done
-        if self._position - self._flushed >= WRITEBACK_PIECE:
-            _start_writeback(self._fd, self._flushed, self._position - self._flushed)
-            self._flushed = self._position
-        return done
-
-    def close(self) -> None:
-        if not self.closed:
-            os.close(self._fd)
-        super().close()
-
-
-class SharedOutput:
-    """A file of the save's own folder that several ranks write at once, each its own byte ranges (pwrite), with
-    writeback started as it goes (as _EarlyWriteback). Whichever rank comes first creates it: never through a
-    link (O_NOFOLLOW), and a file found there that is not a plain file of one name is refused."""
-
-    def __init__(self, path: Path):
-        self._fd = os.open(path, (NEW_FILE_FLAGS & ~os.O_EXCL) | os.O_CLOEXEC, 0o644)
-        self._path = path
-        self._unflushed: list[tuple[int, int]] = []
-        try:
-            found = os.fstat(self._fd)
-            if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1:
-                raise CheckpointError("is not a plain file of this save (a link or another kind of file was "
-                                      "there before it)", file=str(path))
-        except BaseException:
-            os.close(self._fd)
-            raise
-
-    def write_at(self, offset: int, data: bytes | bytearray) -> None:
-        view, done = memoryview(data).cast("B"), 0
-        while done < len(view):
-            done += os.pwrite(self._fd, view[done:], offset + done)
-        self._unflushed.append((offset, len(view)))
-        if sum(length for _, length in self._unflushed) >= WRITEBACK_PIECE:
-            for begin, length in self._unflushed:
-                _start_writeback(self._fd, begin, length)
-            self._unflushed.clear()
-
-    def finish(self) -> None:
-        os.fsync(self._fd)  # also what other ranks wrote by then: harmless, each syncs before it reports
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-def _libc() -> Any:
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-
-
-def _sync_file_range() -> Any:
-    function = getattr(_LIBC, "sync_file_range", None) if _LIBC is not None else None
-    if function is not None:
-        function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return function
-
-
-_LIBC = _libc()
-_SYNC_FILE_RANGE = _sync_file_range()
-SYNC_FILE_RANGE_WRITE = 2  # from <fcntl.h>: start writeback of the range's dirty pages, do not wait
-
-
-def _start_writeback(fd: int, offset: int, length: int) -> None:
-    if _SYNC_FILE_RANGE is not None and _SYNC_FILE_RANGE(fd, offset, length, SYNC_FILE_RANGE_WRITE) == 0:
-        return
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-
-
-WRITEBACK_PIECE = 64 * 1024**2
 COPY_PIECE = 8 * 1024**2  # bytes per read and write of a copy the kernel could not make itself
 
 
@@ -487,7 +383,7 @@ _HOST = _pid_space()
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where that is unavailable."""
-    renameat2 = getattr(_LIBC, "renameat2", None) if _LIBC is not None else None
+    renameat2 = getattr(LIBC, "renameat2", None) if LIBC is not None else None
     if renameat2 is None:
         return False
     at_fdcwd, rename_exchange = -100, 2
