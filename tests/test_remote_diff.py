@@ -17,11 +17,13 @@ import tensormorph as tm
 from tensormorph.ops import diff as diff_module
 from tensormorph.ops.diff import DiffReport
 from tensormorph.storage import remote as remote_module
+from tensormorph.storage.remote_context import FIRST_READ
 
 pytestmark = pytest.mark.timeout(120)
 
 BUCKET = "diffs"
 SHAPE = (256, 512)  # 512 KiB of float32 per tensor
+FETCH = 128 * 1024  # the remote diff's fetches in these tests: 64 rows, 4 per tensor
 
 
 def _report(report: DiffReport) -> list[tuple]:
@@ -64,11 +66,14 @@ def proxy(s3: S3Endpoint) -> Iterator[CountingProxy]:
         yield counting
 
 
-def test_a_remote_diff_in_small_blocks_read_ahead_reports_what_the_local_diff_does(pair, s3, proxy, monkeypatch):
+def test_a_remote_diff_fetching_several_blocks_at_once_reports_what_the_local_diff_does(pair, s3, proxy,
+                                                                                        monkeypatch):
     """Bit-exact against the local diff in the same blocks; against the local diff's default (larger) blocks, the
-    sums behind rel_l2 and cosine add in another order, so those two agree to rounding and all else exactly."""
-    block = 64 * 1024  # 8 Ki float64 elements: 64 blocks per tensor
+    sums behind rel_l2 and cosine add in another order, so those two agree to rounding and all else exactly. Blocks
+    are fetched FETCH bytes at a time, and only the fetches a comparison needs are made."""
+    block = 64 * 1024  # 8 Ki float64 elements: 16 rows of float32, 32 blocks per tensor
     monkeypatch.setattr(diff_module, "REMOTE_BLOCK_BYTES", block)
+    monkeypatch.setattr(diff_module, "REMOTE_FETCH_BYTES", FETCH)
     options = s3.storage_options_via(proxy.url)
     local = tm.diff(*pair, atol=1e-3, block_bytes=block)
     default = tm.diff(*pair, atol=1e-3)
@@ -89,9 +94,13 @@ def test_a_remote_diff_in_small_blocks_read_ahead_reports_what_the_local_diff_do
         assert {t.name: t.status for t in report.tensors} == {"same": "equal", "first": "different",
                                                               "last": "different", "close": "close",
                                                               "nan": "different"}
-        # the blocks are small: no GET asks for more than one block of float32 values (plus the header's first read)
+        # besides the header's first read, every GET is one fetch of 4 blocks (64 rows); per remote side: "same" all 4
+        # fetches, "first" and "close" 1 (the first block differs) then 4 for the figures, "nan" 2 (row 100) then 4,
+        # "last" 4 then 4
         lengths = [_range_length(r.range) for r in proxy.requests if r.method == "GET" and r.range]
-        assert max(lengths) <= 64 * 1024, max(lengths)
+        fetches = [n for n in lengths if n != FIRST_READ]
+        remote_sides = 1 if isinstance(a, Path) else 2
+        assert fetches == [FETCH] * len(fetches) and len(fetches) == (4 + 5 + 8 + 5 + 6) * remote_sides, lengths
 
 
 def _range_length(header: str) -> int:
@@ -110,3 +119,16 @@ def test_a_long_range_is_fetched_as_parallel_parts_bit_exact(pair, s3, proxy, mo
     gets = [r for r in proxy.requests if r.method == "GET"]
     assert sorted(_range_length(r.range) for r in gets if r.range) == [512 * 1024 - 5 * part] + [part] * 5
     assert proxy.bytes_sent == 512 * 1024
+
+
+def test_fetch_groups_join_consecutive_blocks_into_one_box_within_the_limit():
+    rows = [(slice(r, r + 2), slice(0, 8)) for r in range(0, 10, 2)]  # 5 blocks of 2 rows
+    assert diff_module.fetch_groups(rows, 48) == [((slice(0, 6), slice(0, 8)), rows[:3]),
+                                                  ((slice(6, 10), slice(0, 8)), rows[3:])]
+    assert diff_module.fetch_groups(rows, 15) == [(box, [box]) for box in rows]  # one block is already over
+    # boxes that differ along two axes (the next lead index of a 3-d split), or leave a gap, stay apart
+    split = [(slice(0, 1), slice(0, 4), slice(0, 3)), (slice(0, 1), slice(4, 8), slice(0, 3)),
+             (slice(1, 2), slice(0, 4), slice(0, 3)), (slice(1, 2), slice(6, 8), slice(0, 3))]
+    assert diff_module.fetch_groups(split, 1000) == [((slice(0, 1), slice(0, 8), slice(0, 3)), split[:2]),
+                                                    (split[2], [split[2]]), (split[3], [split[3]])]
+    assert diff_module.fetch_groups([()], 1) == [((), [()])]  # a 0-d tensor's one box

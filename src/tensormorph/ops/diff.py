@@ -1,10 +1,8 @@
 """Compare two checkpoints tensor by tensor, as logical tensors, in bounded memory.
 
-Both sides are read in boxes aligned to the chunk boundaries of both (so each
-read touches one chunk per side), cut into blocks no larger than a budget.
-Equal-dtype blocks are compared bytewise first; only when some block differs
-is the tensor compared numerically, in float64, to give the error figures.
-A change of sharding alone never shows up: only logical values are compared.
+Both sides are read in boxes aligned to the chunk boundaries of both (one chunk per side each), cut into blocks under
+a budget. Equal-dtype blocks are compared bytewise first; only when one differs is the tensor compared numerically, in
+float64, for the error figures. Only logical values are compared: a change of sharding alone never shows up.
 """
 
 from __future__ import annotations
@@ -31,12 +29,17 @@ from .object_diff import ObjectDiff, compare_objects
 from .spread import ALONE, Team, share
 from .stats import check_scannable
 
-DEFAULT_BLOCK_BYTES = 64 * 1024**2
-# with a remote side: small blocks, many read ahead at once. Memory stays near (1 + REMOTE_BLOCKS_AHEAD) blocks of
-# each side per tensor compared, while enough requests are in flight to hide the round trips
-REMOTE_BLOCK_BYTES = 4 * 1024**2
-REMOTE_BLOCKS_AHEAD = 1  # blocks of each side read ahead of the one compared (reads in flight per side and tensor)
+DEFAULT_BLOCK_BYTES = 64 * 1024**2  # a local diff's blocks
+# with a remote side: small blocks compared (their float64 temporaries stay small) ...
+REMOTE_BLOCK_BYTES = 2 * 1024**2
+# ... fetched several at once, up to this many bytes as stored: one ranged request (storage/remote.py's PART_BYTES),
+# as a request costs the server much (moto behind a proxy: 512 MiB in 312 GETs took 4.7 s of its CPU, in 2 took 2.4 s)
+REMOTE_FETCH_BYTES = 8 * 1024**2
+# fetches of each side in flight while one is compared, per tensor: with none, the two tensors compared at a time still
+# keep four requests in flight, and each side holds at most a fetch and its copy (one ahead added ~50% to peak RSS)
+REMOTE_FETCHES_AHEAD = 0
 
+Box = tuple[slice, ...]
 STATUS_ORDER = ("different", "shape_mismatch", "dtype_mismatch", "only_a", "only_b", "close", "equal")
 """Worst first: the order of the report table."""
 
@@ -158,15 +161,14 @@ def diff(a: str | Path | Checkpoint, b: str | Path | Checkpoint, *, atol: float 
          rules: str | Sequence[Any] | None = None, team: Team = ALONE) -> DiffReport:
     """Compare the logical tensors (and non-tensor entries) of two checkpoints.
 
-    `names` limits the comparison to these aligned names; `rename` holds rules applied to the
-    names of both sides ('model.=' strips a prefix, 're:PATTERN=REPL' rewrites; an 'a:' or 'b:'
-    prefix limits a rule to one side); `cast` converts
-    side a's floating-point values to that dtype before comparing (to check a conversion exactly);
-    `objects=False` compares tensors only; `common_only=True` leaves out what only one side holds
-    (a training checkpoint's optimizer state against a weights-only export). Tensors are read in blocks of about
-    `block_bytes` (as float64; by default DEFAULT_BLOCK_BYTES, or REMOTE_BLOCK_BYTES with a remote side, whose
-    blocks are read REMOTE_BLOCKS_AHEAD ahead).
-    `progress` receives the number of bytes of side b compared so far, in increments.
+    `names` limits the comparison to these aligned names; `rename` holds rules applied to the names of both sides
+    ('model.=' strips a prefix, 're:PATTERN=REPL' rewrites; an 'a:' or 'b:' prefix limits a rule to one side); `cast`
+    converts side a's floating-point values to that dtype before comparing (to check a conversion exactly);
+    `objects=False` compares tensors only; `common_only=True` leaves out what only one side holds (a training
+    checkpoint's optimizer state against a weights-only export). Tensors are compared in blocks of about `block_bytes`
+    (as float64; by default DEFAULT_BLOCK_BYTES, or REMOTE_BLOCK_BYTES with a remote side, whose blocks are fetched
+    REMOTE_FETCH_BYTES at a time, REMOTE_FETCHES_AHEAD ahead). `progress` receives the number of bytes of side b
+    compared so far, in increments.
     `rules` (a rule set: 'flax-torch', a JSON rule file, or parsed rules), then `rename`, then `transpose` (rules
     that permute side a's tensors whose aligned name matches: 're:.*kernel$' swaps 2-D ones) align the two sides
     (ops/rules.py). `team` spreads the tensors over processes (ops/spread.py): each compares its share, and every
@@ -204,7 +206,8 @@ def _diff(ck_a: Checkpoint, ck_b: Checkpoint, rules: list[NameRule], *, atol: fl
         ta = ck_a[map_a[name]] if name in map_a else None
         tb = ck_b[map_b[name]] if name in map_b else None
         return compare_tensors(name, ta, tb, atol=atol, rtol=rtol, cast=cast, block_bytes=block_bytes,
-                               progress=progress, read_ahead=REMOTE_BLOCKS_AHEAD if remote else 0)
+                               progress=progress, ahead=REMOTE_FETCHES_AHEAD,
+                               fetch_bytes=REMOTE_FETCH_BYTES if remote else 0)
 
     mine = share(team, {name: _work(ck_a, map_a.get(name), ck_b, map_b.get(name)) for name in wanted})
 
@@ -236,9 +239,9 @@ def _severity(t: TensorDiff) -> tuple:
 
 def compare_tensors(name: str, a: LogicalTensor | None, b: LogicalTensor | None, *, atol: float = 0.0,
                     rtol: float = 0.0, cast: str | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                    progress: Callable[[int], None] | None = None, read_ahead: int = 0) -> TensorDiff:
-    """Compare two logical tensors block by block (either may be missing); `read_ahead` blocks of both sides are
-    read while one is compared (worth it when a side is remote)."""
+                    progress: Callable[[int], None] | None = None, ahead: int = 0, fetch_bytes: int = 0) -> TensorDiff:
+    """Compare two logical tensors block by block (either may be missing). With `fetch_bytes` (a remote side), blocks
+    are fetched that many bytes (as stored) at a time, both sides at once, `ahead` fetches ahead of the one compared."""
     if a is None or b is None:
         if a is not None:
             return TensorDiff(name, "only_a", name_a=a.name, dtype_a=a.dtype, shape_a=a.shape)
@@ -255,25 +258,29 @@ def compare_tensors(name: str, a: LogicalTensor | None, b: LogicalTensor | None,
     cast_dtype = dtypes.numpy_dtype(cast) if cast else None
     same_dtype = base["dtype_a"] == b.dtype
     boxes = list(aligned_blocks(a, b, block_bytes))
+    itemsize = max(a.numpy_dtype.itemsize, b.numpy_dtype.itemsize, cast_dtype.itemsize if cast_dtype else 0)
+    groups = fetch_groups(boxes, fetch_bytes // itemsize) if fetch_bytes else [(box, [box]) for box in boxes]
     reported = 0  # blocks already counted in progress
     if same_dtype:
         differs = False
-        for _box, block_a, block_b in _blocks_ahead(a, b, boxes, cast_dtype, read_ahead):
+        for _box, block_a, block_b in _blocks_ahead(a, b, groups, cast_dtype, ahead, bool(fetch_bytes)):
             reported += 1
             if progress is not None:
                 progress(block_b.nbytes)
             if not _same_bytes(block_a, block_b):
                 differs = True  # the numeric pass below reads every block again, so stop here
                 break
+            del block_a, block_b  # views of a fetched group: let go of before the next group is fetched
         if not differs:
             # bitwise equal: the figures are exact without a numeric pass (cosine of identical vectors is 1)
             return TensorDiff(name, "equal", **base, max_abs=0.0, max_rel=0.0, rel_l2=0.0,
                               cosine=1.0 if a.numel else None)
     accumulator = _NumericAccumulator(a.shape, atol, rtol)
-    for i, (box, block_a, block_b) in enumerate(_blocks_ahead(a, b, boxes, cast_dtype, read_ahead)):
+    for i, (box, block_a, block_b) in enumerate(_blocks_ahead(a, b, groups, cast_dtype, ahead, bool(fetch_bytes))):
         accumulator.add(box, block_a, block_b)
         if progress is not None and i >= reported:
             progress(block_b.nbytes)
+        del block_a, block_b
     figures = accumulator.result()
     if not same_dtype:
         status = "dtype_mismatch"
@@ -295,34 +302,53 @@ class _Sides(TypedDict):
     shape_b: tuple[int, ...]
 
 
-def _blocks_ahead(a: LogicalTensor, b: LogicalTensor, boxes: list[tuple[slice, ...]], cast: np.dtype | None,
-                  read_ahead: int) -> Iterator[tuple[tuple[slice, ...], np.ndarray, np.ndarray]]:
-    """(box, a's block, b's block) in order. With `read_ahead` > 0 (a remote side), both sides of that many next
-    boxes are being read while one is compared: the reads wait on round trips, the comparing on the CPU, so they
-    overlap, and several reads in flight hide each other's latency."""
-    if not read_ahead or len(boxes) < 2:  # nothing to overlap: no threads for the many small tensors
-        for box in boxes:
-            yield box, _read(a, box, cast), b.read(box)
+def _blocks_ahead(a: LogicalTensor, b: LogicalTensor, groups: list[tuple[Box, list[Box]]], cast: np.dtype | None,
+                  ahead: int, remote: bool) -> Iterator[tuple[Box, np.ndarray, np.ndarray]]:
+    """(box, a's block, b's block) for every box of every (fetched box, its boxes) group, in order. From a `remote`
+    side, both sides of a group are fetched at once, and of `ahead` next groups while one is compared: reads wait on
+    round trips, comparing on the CPU, so they overlap, and reads in flight hide each other's latency."""
+    if not remote:
+        for _, inside in groups:
+            for box in inside:
+                yield box, _read(a, box, cast), b.read(box)
         return
-    with ThreadPoolExecutor(max_workers=2 * read_ahead) as pool:
-        pending: deque[tuple[Future[np.ndarray], Future[np.ndarray]]] = deque()
-        upcoming = iter(boxes)
-
-        def top_up() -> None:
-            for box in itertools.islice(upcoming, read_ahead + 1 - len(pending)):
-                pending.append((pool.submit(_read, a, box, cast), pool.submit(b.read, box)))
-
+    with ThreadPoolExecutor(max_workers=2 * (ahead + 1)) as pool:
+        pending: deque[tuple[Box, list[Box], Future[np.ndarray], Future[np.ndarray]]] = deque()
+        upcoming = iter(groups)
         try:
-            for box in boxes:
-                top_up()
-                current = pending.popleft()
-                yield box, current[0].result(), current[1].result()
+            while True:  # the caller holds no block of the group before (memory): it is fetching the next
+                for box, inside in itertools.islice(upcoming, ahead + 1 - len(pending)):
+                    pending.append((box, inside, pool.submit(_read, a, box, cast), pool.submit(b.read, box)))
+                if not pending:
+                    return
+                fetched, inside, future_a, future_b = pending.popleft()
+                values_a, values_b = future_a.result(), future_b.result()
+                for box in inside:  # views of the fetched values, no copies
+                    within = tuple(slice(s.start - f.start, s.stop - f.start) for s, f in zip(box, fetched))
+                    yield box, values_a[within + (Ellipsis,)], values_b[within + (Ellipsis,)]
+                del values_a, values_b, future_a, future_b
         finally:  # the caller stopped early (a difference found), or a read failed: the reads ahead are not needed
-            for future in itertools.chain.from_iterable(pending):
+            for future in itertools.chain.from_iterable(futures for _, _, *futures in pending):
                 future.cancel()
 
 
-def _read(tensor: LogicalTensor, box: tuple[slice, ...], cast: np.dtype | None) -> np.ndarray:
+def fetch_groups(boxes: list[Box], limit: int) -> list[tuple[Box, list[Box]]]:
+    """(joined box, its boxes): consecutive boxes that continue each other along one axis, within `limit` elements."""
+    groups: list[tuple[Box, list[Box]]] = []
+    for box in boxes:
+        last = groups[-1][0] if groups else ()
+        differ = [d for d, (s, t) in enumerate(zip(last, box)) if s != t]
+        if len(differ) == 1 and box[differ[0]].start == last[differ[0]].stop:
+            d = differ[0]
+            joined = last[:d] + (slice(last[d].start, box[d].stop),) + last[d + 1:]
+            if math.prod(s.stop - s.start for s in joined) <= limit:
+                groups[-1] = (joined, [*groups[-1][1], box])
+                continue
+        groups.append((box, [box]))
+    return groups
+
+
+def _read(tensor: LogicalTensor, box: Box, cast: np.dtype | None) -> np.ndarray:
     values = tensor.read(box)
     return values.astype(cast) if cast is not None and values.dtype != cast else values
 

@@ -50,6 +50,7 @@ class Remote:
     # the first FIRST_READ bytes of files, by URL: detection, headers and indexes read them once
     heads: OrderedDict[str, bytes] = field(default_factory=OrderedDict)
     listed: set[str] = field(default_factory=set)  # folder URLs listed whole: what is not in `infos` is absent
+    listings: dict[str, list[str]] = field(default_factory=dict)  # the names in each folder listed, by URL
     folders: set[str] = field(default_factory=set)  # folder URLs seen in listings
     head_bytes: int = 0  # the bytes `heads` holds
     # URLs whose info came from the cache's version records, not yet confirmed by the server in this process
@@ -98,6 +99,8 @@ class Remote:
             for url in [u for u in self.heads if u.startswith(prefix)]:
                 self.head_bytes -= len(self.heads.pop(url))
             self.listed -= {u for u in self.listed if u.startswith(prefix)}
+            for url in [u for u in self.listings if u.startswith(prefix)]:
+                del self.listings[url]
             self.folders -= {u for u in self.folders if u.startswith(prefix)}
             self.unconfirmed -= {u for u in self.unconfirmed if u.startswith(prefix)}
             self.untrusted.add(prefix)
@@ -135,8 +138,8 @@ class Remote:
         recorded = versions is not None and versions.lookup(url) is not None
 
         def ask() -> dict[str, Any] | None:
-            found_first = first_read(self.fs, self.protocol, self.path(url), FIRST_READ) if first and not recorded \
-                else False
+            found_first = first_read(self.fs, self.protocol, self.path(url), FIRST_READ, self.fast) \
+                if first and not recorded else False
             if found_first is None:
                 return None
             if found_first is False:  # no first bytes in the same request: a HEAD for the size and version
