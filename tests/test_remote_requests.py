@@ -97,3 +97,30 @@ def test_an_s3_checkpoint_opens_and_reads_without_building_s3fs_client_where_obs
         # the folder's URL asked as an object (none), its listing, the file's first bytes, one read per tensor
         assert [(r.method, r.status) for r in proxy.requests][:3] == [("GET", 404), ("GET", 200), ("GET", 206)]
         assert len(proxy.requests) == 3 + len(values)
+
+
+def test_a_reopening_with_the_process_s3fs_client_asks_nothing(tmp_path):
+    """Once s3fs's client is built (fsspec reuses it across opens: the viewer reopening a checkpoint), its listing
+    cache and the range cache answer a second open: no request, where obstore would list and read again."""
+    import numpy as np
+    import safetensors.numpy
+    from remote_support import CountingProxy, S3Endpoint
+
+    import tensormorph as tm
+    from tensormorph.storage.range_cache import RangeCache
+
+    values = {"w": np.arange(60, dtype=np.float32).reshape(6, 10)}
+    (tmp_path / "ck").mkdir()
+    safetensors.numpy.save_file(values, str(tmp_path / "ck" / "model.safetensors"))
+    with S3Endpoint() as s3, CountingProxy(s3.endpoint) as proxy:
+        s3.make_bucket("reopens")
+        s3.upload(tmp_path / "ck", "s3://reopens/ck")
+        options, cache = s3.storage_options_via(proxy.url), RangeCache(tmp_path / "cache")
+        asked = []
+        for _ in range(3):
+            before = len(proxy.requests)
+            with tm.open("s3://reopens/ck", storage_options=options, cache=cache) as ck:
+                assert ck["w"].full().tolist() == values["w"].tolist()
+                built = ck.storage.fs._s3 is not None
+            asked.append(len(proxy.requests) - before)
+        assert built and asked[0] > 0 and asked[-1] == 0, asked  # (the first opens build the client)

@@ -25,7 +25,7 @@ def first_read(fs: Any, protocol: str, path: str, length: int, fast: Any = None)
     if protocol in ("http", "https"):
         return sync(fs.loop, _http, fs, path, length)
     if protocol in ("s3", "s3a"):
-        found: Found | None | Literal[False] = fast.first(path, length) if fast is not None and fast.usable() else False
+        found: Found | None | Literal[False] = fast.first(path, length) if fast is not None else False
         return found if found is not False else sync(fs.loop, _s3, fs, path, length)
     return False
 

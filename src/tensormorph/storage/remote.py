@@ -123,9 +123,9 @@ class RemoteFiles:
         known = self.remote.listings.get(url)
         if known is not None:  # detection lists a folder once per format it tries
             return list(known)
-        path, fast = self.remote.path(url), self.remote.fast
+        path, fast = self.remote.path(url), self.remote.fast_metadata
         try:  # obstore where it can (no s3fs client to build); s3fs tells an empty listing from a file
-            entries = (fast.listing(path) if fast is not None and fast.usable() else None) or with_retries(
+            entries = (fast.listing(path) if fast is not None else None) or with_retries(
                 lambda: self.fs.ls(path, detail=True), url, attempts=self.remote.attempts)
         except MissingFileError:
             raise MissingFileError("is no folder (no objects under this prefix)", file=url) from None

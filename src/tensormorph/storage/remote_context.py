@@ -70,6 +70,15 @@ class Remote:
         return cls(fs, protocol, cache, fast=obstore_ranges(protocol, options, MAX_CONCURRENT_REQUESTS))
 
     @property
+    def fast_metadata(self) -> Any:
+        """The obstore client for first reads and listings while s3fs's own client is not built yet (a new process:
+        building it costs a fifth of a second of CPU); None once it is (fsspec reuses it across opens, and its
+        listing cache then answers a reopening with no request at all)."""
+        if self.fast is None or not self.fast.usable() or getattr(self.fs, "_s3", None) is not None:
+            return None
+        return self.fast
+
+    @property
     def is_http(self) -> bool:
         return self.protocol in HTTP_PROTOCOLS
 
@@ -138,7 +147,7 @@ class Remote:
         recorded = versions is not None and versions.lookup(url) is not None
 
         def ask() -> dict[str, Any] | None:
-            found_first = first_read(self.fs, self.protocol, self.path(url), FIRST_READ, self.fast) \
+            found_first = first_read(self.fs, self.protocol, self.path(url), FIRST_READ, self.fast_metadata) \
                 if first and not recorded else False
             if found_first is None:
                 return None
