@@ -169,7 +169,9 @@ def test_degraded_load_equals_the_intact_load_and_repair_restores_the_files(work
         assert (work / name).read_bytes() == (protected / name).read_bytes()
 
 
-def test_a_degraded_load_holds_no_more_than_the_coding_buffer(fine, tmp_path, monkeypatch):
+@pytest.mark.parametrize("lost", [(DATA[1],), (DATA[1], DATA[2])], ids=["one-file", "two-files"])
+def test_a_degraded_load_holds_no_more_than_the_coding_buffer(fine, tmp_path, monkeypatch, lost):
+    """The bound is the load's, however many files it rebuilds: they share one set of decoding buffers."""
     monkeypatch.setattr(parity, "CODING_BUFFER", BUFFER)
     folder = tmp_path / "ck"
     shutil.copytree(fine, folder)
@@ -189,7 +191,8 @@ def test_a_degraded_load_holds_no_more_than_the_coding_buffer(fine, tmp_path, mo
 
     intact = peak_of_load()
     size = (folder / DATA[1]).stat().st_size
-    (folder / DATA[1]).unlink()
+    for name in lost:
+        (folder / name).unlink()
     degraded = peak_of_load()
     assert degraded <= intact + BUFFER + 2 * SEGMENT and degraded < size // 2, (intact, degraded, size)
 

@@ -24,7 +24,7 @@ from tensormorph.tmformat.checkpoint import read_manifest
 from tensormorph.tmformat.checksums import crc32c_combine
 from tensormorph.tmformat.manifest import FileRecord
 from tensormorph.tmformat.output_files import SharedOutput
-from tensormorph.tmformat.parity import Stripe, encode_parity, parse_scheme, share
+from tensormorph.tmformat.parity import Stripe, encode_parity, parse_scheme, share, write_extras
 from tensormorph.tmformat.writer import redundancy_record
 
 
@@ -42,6 +42,20 @@ def test_combining_long_parts_matches_one_pass() -> None:
     for begin, end in zip(cuts, cuts[1:]):
         crc = crc32c_combine(crc, crc32c.crc32c(whole[begin:end]), end - begin)
     assert crc == crc32c.crc32c(whole)
+
+
+def test_combining_parts_of_512_mib_and_more_matches_one_pass() -> None:
+    """A rank's share of a large stripe is easily 2^29 bytes or more: the table of shifts must reach that far (CRC-32C's
+    x has no period 2^32 - 1, so zlib's wrap at 32 entries would be wrong here). Zeros keep it fast: 4 GiB + 3 bytes."""
+    head, zeros = os.urandom(100), bytes(8 << 20)
+    for parts in (64, 64 * 8):  # 512 MiB and 4 GiB of zeros, then 3 more bytes
+        tail = b"\x01\x02\x03"
+        whole = first = crc32c.crc32c(head)
+        part = 0
+        for _ in range(parts):
+            whole, part = crc32c.crc32c(zeros, whole), crc32c.crc32c(zeros, part)
+        whole, part = crc32c.crc32c(tail, whole), crc32c.crc32c(tail, part)
+        assert crc32c_combine(first, part, parts * len(zeros) + 3) == whole, parts
 
 
 @settings(max_examples=300, deadline=None)
@@ -111,6 +125,8 @@ def test_the_manifest_refuses_parts_that_leave_a_gap_or_fall_short() -> None:
              {"parity-00000-0.bin": (60, 40, crc32c.crc32c(whole[60:]))}]
     record = _record(parts)
     assert record.files["parity-00000-0.bin"] == FileRecord(100, crc32c.crc32c(whole), 0)
+    with pytest.raises(CheckpointError, match=r"overlap at \[50, 60\)"):
+        _record([parts[0], {"parity-00000-0.bin": (50, 50, 0)}])
     with pytest.raises(CheckpointError, match=r"leave bytes \[60, 70\) unwritten"):
         _record([parts[0], {"parity-00000-0.bin": (70, 30, 0)}])
     with pytest.raises(CheckpointError, match="wrote 60 bytes of parity-00000-0.bin, its stripe is 100"):
@@ -128,6 +144,9 @@ def test_a_shared_file_is_never_written_through_a_link(tmp_path) -> None:
     os.link(outside, tmp_path / "hard.bin")
     with pytest.raises(CheckpointError, match="not a plain file of this save"):
         SharedOutput(tmp_path / "hard.bin")
+    os.mkfifo(tmp_path / "fifo.bin")  # a FIFO would block a plain open for writing until a reader came
+    with pytest.raises((OSError, CheckpointError)):
+        SharedOutput(tmp_path / "fifo.bin")
     assert outside.read_bytes() == b"keep"
     first, second = SharedOutput(tmp_path / "p.bin"), SharedOutput(tmp_path / "p.bin")  # two ranks, one file
     second.write_at(3, b"def")
@@ -156,3 +175,33 @@ def test_copies_are_made_in_place_bit_exact(dcp_ckpt, tmp_path, monkeypatch, ker
         assert copies[copy] == FileRecord(manifest.files[data].size, crc32c.crc32c((out / copy).read_bytes()),
                                           (rank + 1) % 4)
     assert tm.verify(out).ok
+
+
+def test_a_parity_file_that_cannot_be_opened_leaves_no_other_open() -> None:
+    opened, closed = [], []
+
+    class Part:
+        def write_at(self, offset: int, data: bytes | bytearray) -> None:
+            pass
+
+        def finish(self) -> None:
+            pass
+
+        def close(self) -> None:
+            closed.append(self)
+
+    class Folder:
+        def open_shared(self, name: str) -> Part:
+            if opened:  # the second parity file: a full disk
+                raise OSError(28, "No space left on device")
+            opened.append(Part())
+            return opened[-1]
+
+        def copy_file(self, source: str, name: str) -> None:
+            raise AssertionError("rs(k,m) makes no copies")
+
+    data = {"rank-00000.safetensors": b"a" * 10, "rank-00001.safetensors": b"b" * 10}
+    with pytest.raises(OSError, match="No space"):
+        write_extras(parse_scheme("rs(2,2)"), [(n, 10, crc32c.crc32c(d)) for n, d in data.items()], 0, 1,
+                     lambda n, b, e: data[n][b:e], lambda name, chunks: None, in_place=Folder())
+    assert closed == opened and len(opened) == 1

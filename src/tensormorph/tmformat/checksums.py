@@ -55,9 +55,10 @@ def _times(a: int, b: int) -> int:
 
 
 def _powers_of_x() -> list[int]:
-    """x^(2^n) modulo the polynomial, n = 0..31 (the shift by 2^n bits)."""
+    """x^(2^n) modulo the polynomial, n = 0..63 (the shift by 2^n bits; lengths below 2^61 bytes). Unlike zlib's
+    CRC-32 polynomial, CRC-32C's x has no period 2^32 - 1 (x^(2^32) is x^2), so the table cannot wrap at 32."""
     powers = [1 << 30]  # x^1
-    for _ in range(31):
+    for _ in range(63):
         powers.append(_times(powers[-1], powers[-1]))
     return powers
 
@@ -69,10 +70,12 @@ def crc32c_combine(first: int, second: int, second_length: int) -> int:
     """The CRC-32C of A + B from A's CRC `first`, B's CRC `second` and B's length: parts of one file written by
     several processes are checksummed whole without reading them again (the method of zlib's crc32_combine:
     A's CRC shifted by 8 * len(B) zero bits, multiplied in as x^(8 * len(B)) by squaring, then B's added)."""
+    if not 0 <= second_length < 1 << 61:
+        raise ValueError(f"a part of {second_length} bytes: crc32c_combine takes lengths from 0 to 2^61 - 1")
     shift, n, exponent = 1 << 31, second_length, 3  # x^0; the length counts bytes: 2^3 bits each
     while n:
         if n & 1:
-            shift = _times(_X_TO_2N[exponent % 32], shift)
+            shift = _times(_X_TO_2N[exponent], shift)
         n >>= 1
         exponent += 1
     return _times(shift, first) ^ second

@@ -139,7 +139,7 @@ class LocalDestination:
                 with open(self.work / name, "rb") as f:
                     size = os.fstat(f.fileno()).st_size
                     mapped = self._maps[name] = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else b""
-        return memoryview(mapped)[begin:end]
+            return memoryview(mapped)[begin:end]  # under the lock: release_maps cannot close it before
 
     def release_maps(self) -> None:
         """Unmap the files read_range mapped (a map still viewed closes once its views are gone)."""

@@ -58,7 +58,8 @@ class SharedOutput:
     link (O_NOFOLLOW), and a file found there that is not a plain file of one name is refused."""
 
     def __init__(self, path: Path):
-        self._fd = os.open(path, (NEW_FILE_FLAGS & ~os.O_EXCL) | os.O_CLOEXEC, 0o644)
+        # O_NONBLOCK: a FIFO planted at the name fails at once (ENXIO) instead of blocking; plain files ignore it
+        self._fd = os.open(path, (NEW_FILE_FLAGS & ~os.O_EXCL) | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
         self._path = path
         self._unflushed: list[tuple[int, int]] = []
         try:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol, TypeVar
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, TruncatedFileError
 from . import linear_code
 from .checksums import RunningCrc
 from .linear_code import BytesLike
@@ -177,6 +177,9 @@ def _padded(read: Reader, file: str | None, size: int, begin: int, end: int) -> 
     if file is None or begin >= size:
         return bytes(end - begin)
     data = read(file, begin, min(end, size))
+    if len(data) != min(end, size) - begin:  # a file shorter than recorded: never code over made-up zeros
+        raise TruncatedFileError(f"ends before byte {min(end, size)} (read {len(data)} bytes from {begin}); "
+                                 f"{size} bytes were expected", file=file)
     return data if len(data) == end - begin else bytes(data) + bytes(end - begin - len(data))
 
 
@@ -337,8 +340,10 @@ def write_extras(scheme: Scheme, data_files: Sequence[tuple[str, int, int]], ran
 def _encode_in_place(stripe: Stripe, scheme: Scheme, begin: int, end: int, read: Reader,
                      open_shared: Callable[[str], SharedFile]) -> Written:
     """Bytes [begin, end) of every parity file of a stripe, written in place."""
-    outputs = [open_shared(name) for name in stripe.parity]
+    outputs: list[SharedFile] = []
     try:
+        for name in stripe.parity:
+            outputs.append(open_shared(name))
         crcs = [RunningCrc() for _ in outputs]
         for offset, blocks in encode_share(stripe, scheme.k, scheme.m, begin, end, read):
             for output, crc, block in zip(outputs, crcs, blocks):

@@ -26,10 +26,10 @@ from ..reduction import combine, finish
 from ..storage import ByteStore
 from ..tiling import LayoutOnly
 from .checksums import verify_blocks
-from .integrity import file_crc32c
+from .integrity import file_crc32c, size_problem
 from .manifest import ChunkRecord, FileRecord, Manifest, TensorRecord
 from .placement_check import checked_chunks
-from .recovery import RebuiltRanges, all_files, group_of, rebuilt_ranges
+from .recovery import RebuiltRanges, all_files, decode_slots, group_of, rebuilt_ranges
 
 SMALL_CHUNK = 1 << 20  # chunks up to this size are read in coalesced runs; larger ones straight into place
 COALESCE_BYTES = 8 << 20  # most bytes one coalesced read gathers: each reading thread stages this much
@@ -80,6 +80,8 @@ class BoxReader:
         self._rebuilt: dict[str, RebuiltRanges] = {}
         self._checked: set[str] = set()
         self._announced: set[str] = set()  # the rebuilt files a warning has named
+        self._damage: dict[str, CheckpointError] = {}  # what was first found wrong with each rebuilt file
+        self._decode_slots = decode_slots()  # shared by every file rebuilt: the load's decoding memory is bounded
         self._grouped: dict[str, dict[int, list[ChunkRecord]]] = {}  # by tensor: its chunks by contribution
         self._exact: dict[tuple[str, int], dict[str, ChunkRecord]] = {}  # by tensor and contribution: chunks by box
         self._stage = threading.local()  # each reading thread's staging buffer for coalesced reads
@@ -146,7 +148,12 @@ class BoxReader:
         except (MissingFileError, TruncatedFileError, ChecksumError) as found:
             if self.manifest.redundancy is None:
                 raise
-            damage = found
+            damage = self._damage.setdefault(chunk.file, found)  # messages name what was first wrong with it
+        except (CheckpointError, OSError):  # a source of a file already rebuilt failed: fall back as below
+            if chunk.file not in self._rebuilt:
+                raise
+            damage = self._damage[chunk.file]
+        scheme = self.manifest.redundancy.scheme if self.manifest.redundancy is not None else ""
         for checked in (False, True):
             self._restore(chunk.file, damage, checked=checked)
             try:
@@ -158,9 +165,8 @@ class BoxReader:
             with self._restore_lock:
                 if chunk.file not in self._announced:  # once per file, and only once its bytes were rebuilt
                     self._announced.add(chunk.file)
-                    warnings.warn(f"{self.files.describe(chunk.file)}: {damage.reason}; rebuilt from "
-                                  f"{self.manifest.redundancy.scheme} redundancy for this load (run `tensormorph "
-                                  "repair` to fix the file)", stacklevel=2)
+                    warnings.warn(f"{self.files.describe(chunk.file)}: {damage.reason}; rebuilt from {scheme} "
+                                  "redundancy for this load (run `tensormorph repair` to fix the file)", stacklevel=2)
             return
 
     def whole_chunk_reads(self, requests: Sequence[BoxRequest]) -> tuple[list[list[WholeChunk]], list[int]]:
@@ -293,18 +299,19 @@ class BoxReader:
         return self.verify or file in self._rebuilt
 
     def _restore(self, file: str, damage: CheckpointError, *, checked: bool) -> None:
-        """Read the damaged data file `file` by rebuilding ranges from the other files of its group (once, under
-        the lock); with `checked`, from those whose whole-file CRC-32C is right."""
+        """Read the damaged data file `file` by rebuilding ranges from the other files of its group that are there
+        at their recorded size (once, under the lock); with `checked`, from those whose whole-file CRC-32C is right
+        (read FILE_PIECE at a time)."""
         with self._restore_lock:
             if file in self._checked or (file in self._rebuilt and not checked):
                 return
+            records = all_files(self.manifest)
             group = [name for name in group_of(self.manifest, file) if name != file]
-            if checked:
-                records = all_files(self.manifest)
-                group = [name for name in group if self._intact(name, records[name])]
-            try:
-                rebuilt = rebuilt_ranges(self.manifest, file, set(group), self._read_into)
-            except CheckpointError as exc:
+            try:  # unchecked: those there at their size (a stat each); checked: those whose CRC-32C is right
+                intact = self._intact if checked else (lambda n, r: size_problem(self.files, n, r) is None)
+                group = [name for name in group if intact(name, records[name])]
+                rebuilt = rebuilt_ranges(self.manifest, file, set(group), self._read_into, self._decode_slots)
+            except (CheckpointError, OSError) as exc:  # OSError: a file of the group could not be read whole
                 raise self._unrecoverable(file, damage, exc) from None
             self._rebuilt[file] = rebuilt
             if checked:

@@ -124,20 +124,30 @@ def check_recoverable(manifest: Manifest, name: str, intact: set[str]) -> None:
 ReadInto = Callable[[str, int, memoryview], None]  # (file, offset, target): fill target from the file's offset
 
 
+Slots = queue.LifoQueue  # of list[memoryview] | None: the buffers of the reads decoding at once
+
+
+def decode_slots() -> Slots:
+    """parity.CODING_THREADS slots for the reads that decode at once, each filled with its buffers on first use:
+    one set per load, shared by every file it rebuilds, so the load holds at most parity.CODING_BUFFER for them."""
+    slots: Slots = queue.LifoQueue()
+    for _ in range(parity.CODING_THREADS):
+        slots.put(None)
+    return slots
+
+
 class RebuiltRanges:
     """A lost or damaged data file, served range by range: each range read is rebuilt from the same range of k
     other files of its stripe (parity.Decoding), or read from a copy. Nothing is written, a process rebuilds only
-    the bytes it reads (a rank of a resharded load, its share), and at most parity.CODING_THREADS reads decode at
-    once, each holding k pieces of at most `piece` bytes: within parity.CODING_BUFFER whatever the file's size."""
+    the bytes it reads (a rank of a resharded load, its share), and the reads decoding at once take a slot of
+    `slots` each, holding k pieces of at most `piece` bytes: within parity.CODING_BUFFER whatever the file's size."""
 
     def __init__(self, name: str, size: int, read_into: ReadInto, *, plan: Decoding | None = None,
-                 copy: str | None = None, segment: int = parity.SEGMENT):
+                 copy: str | None = None, segment: int = parity.SEGMENT, slots: Slots | None = None):
         self.name, self.size, self._read_into, self._plan, self._copy = name, size, read_into, plan, copy
         k = len(plan.sources) if plan is not None else 0
         self._piece = max(MIN_PIECE, min(segment, parity.CODING_BUFFER // (parity.CODING_THREADS * (k + 1))))
-        self._buffers: queue.LifoQueue[list[memoryview] | None] = queue.LifoQueue()
-        for _ in range(parity.CODING_THREADS):  # the slots of the reads decoding at once, filled on first use
-            self._buffers.put(None)
+        self._slots = slots if slots is not None else decode_slots()
 
     def read_runs(self, runs: Sequence[tuple[int, int]], into: memoryview) -> None:
         """Bytes of each [begin, end) run, one after another into `into`."""
@@ -164,9 +174,9 @@ class RebuiltRanges:
     def _decode(self, begin: int, end: int, target: memoryview) -> None:
         plan = self._plan
         assert plan is not None, "a file without a copy has a decoding plan"
-        held = self._buffers.get()  # waits while CODING_THREADS reads are decoding
+        held = self._slots.get()  # waits while CODING_THREADS reads are decoding
         try:
-            if held is None:
+            if held is None or len(held) != len(plan.sources) or len(held[0]) != self._piece:
                 held = [memoryview(bytearray(self._piece)) for _ in plan.sources]
             for first in range(begin, end, self._piece):
                 last = min(end, first + self._piece)
@@ -179,12 +189,13 @@ class RebuiltRanges:
                         np.frombuffer(block, np.uint8)[have:] = 0
                 plan.code.apply_into(blocks, target[first - begin:last - begin])
         finally:
-            self._buffers.put(held)
+            self._slots.put(held)
 
 
-def rebuilt_ranges(manifest: Manifest, lost: str, available: set[str], read_into: ReadInto) -> RebuiltRanges:
-    """`lost` served by rebuilding the ranges read (RebuiltRanges) from the available files of its group;
-    CheckpointError when they are beyond the redundancy."""
+def rebuilt_ranges(manifest: Manifest, lost: str, available: set[str], read_into: ReadInto,
+                   slots: Slots | None = None) -> RebuiltRanges:
+    """`lost` served by rebuilding the ranges read (RebuiltRanges, decoding in `slots`) from the available files of
+    its group; CheckpointError when they are beyond the redundancy."""
     scheme, group = _group(manifest, lost)
     plan = manifest.redundancy
     assert plan is not None  # _group refused a manifest without redundancy
@@ -193,4 +204,4 @@ def rebuilt_ranges(manifest: Manifest, lost: str, available: set[str], read_into
         return RebuiltRanges(lost, size, read_into, copy=_copy_of(group, lost, available))
     stripe = Stripe(group.data, tuple(manifest.files[d].size for d in group.data), group.parity)
     return RebuiltRanges(lost, size, read_into, plan=decoding(stripe, scheme.k, scheme.m, lost, available),
-                         segment=plan.segment)
+                         segment=plan.segment, slots=slots)

@@ -184,9 +184,11 @@ def redundancy_record(scheme: Scheme, data_files: dict[str, FileRecord], extras:
         pieces.sort()
         size = crc = 0
         for offset, length, part_crc, _ in pieces:
-            if offset != size:
+            if offset > size:
                 raise CheckpointError(f"the parts of {name} written by the ranks leave bytes [{size}, {offset}) "
-                                      "unwritten or overlap")
+                                      "unwritten")
+            if offset < size:
+                raise CheckpointError(f"the parts of {name} written by the ranks overlap at [{offset}, {size})")
             crc, size = crc32c_combine(crc, part_crc, length), size + length
         owner, length = owners.get(name, (pieces[0][3], size))
         if size != length:
