@@ -287,7 +287,8 @@ class SharedFile(Protocol):
     def close(self) -> None: ...
 
 
-Written = dict[str, tuple[int, int, int]]  # what one rank wrote of each file: name -> (offset, length, CRC-32C)
+Extras = dict[str, tuple[int, int, int]]  # what one rank wrote of parity files or copies: name -> (offset,
+# length, CRC-32C of those bytes); a file several ranks wrote in place comes in several parts
 
 
 class InPlace(Protocol):
@@ -300,7 +301,7 @@ class InPlace(Protocol):
 
 def write_extras(scheme: Scheme, data_files: Sequence[tuple[str, int, int]], rank: int, world: int, read: Reader,
                  write: Callable[[str, Iterator[BytesLike]], None], prefix: str = "",
-                 in_place: InPlace | None = None) -> Written:
+                 in_place: InPlace | None = None) -> Extras:
     """Write the parity (or copies) that `rank` is responsible for; returns what it wrote of each file.
 
     `data_files` are (name, size, CRC-32C) in rank order; `read` reads them; `write(name, chunks)` stores one file
@@ -308,7 +309,7 @@ def write_extras(scheme: Scheme, data_files: Sequence[tuple[str, int, int]], ran
     in one pass, and copies are made by the kernel (their CRC-32C is their data file's); otherwise each parity file
     is encoded whole by its `parity_writer`, and copies pass through this process.
     """
-    done: Written = {}
+    done: Extras = {}
 
     def stored(name: str, chunks: Iterator[BytesLike]) -> None:
         running = RunningCrc()
@@ -338,7 +339,7 @@ def write_extras(scheme: Scheme, data_files: Sequence[tuple[str, int, int]], ran
 
 
 def _encode_in_place(stripe: Stripe, scheme: Scheme, begin: int, end: int, read: Reader,
-                     open_shared: Callable[[str], SharedFile]) -> Written:
+                     open_shared: Callable[[str], SharedFile]) -> Extras:
     """Bytes [begin, end) of every parity file of a stripe, written in place."""
     outputs: list[SharedFile] = []
     try:

@@ -31,7 +31,7 @@ from .checksums import CHECKSUM_BLOCK, crc32c_combine
 from .commit import LocalDestination, destination, store
 from .layout import assign_writers
 from .manifest import ChunkRecord, FileRecord, Manifest, Redundancy, TensorRecord, rank_file
-from .parity import SEGMENT, Scheme, parity_writer, parse_scheme, stripes, write_extras
+from .parity import SEGMENT, Extras, Scheme, parity_writer, parse_scheme, stripes, write_extras
 from .stream import OutputFile, TensorSpec, Written, write_stream
 
 SHARDING_KEY = "DCP_SHARDING_INFO"  # DCP's HuggingFaceStorageReader reads each chunk's offsets from here
@@ -163,8 +163,6 @@ def build_manifest(pieces: Iterable[Piece], writers: dict[Key, int], written: di
     return Manifest(tensors, objects, files, world_size, writer, created, extra or {})
 
 
-Extras = dict[str, tuple[int, int, int]]  # what one rank wrote of parity files or copies: name -> (offset, length,
-# CRC-32C of those bytes); a file several ranks wrote in place comes in several parts
 
 
 def redundancy_record(scheme: Scheme, data_files: dict[str, FileRecord], extras: Sequence[Extras],
