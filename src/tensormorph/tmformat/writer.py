@@ -163,8 +163,6 @@ def build_manifest(pieces: Iterable[Piece], writers: dict[Key, int], written: di
     return Manifest(tensors, objects, files, world_size, writer, created, extra or {})
 
 
-
-
 def redundancy_record(scheme: Scheme, data_files: dict[str, FileRecord], extras: Sequence[Extras],
                       prefix: str = "") -> Redundancy:
     """The manifest's redundancy section from every rank's written parity files or copies: each file's parts,
