@@ -205,23 +205,16 @@ def save_load_rows(size: str, cold: bool, steps: dict[str, Any], ratios: dict[st
                    detail: Any, targets: tuple[float, float] = (1.0, 1.0), prefix: str = "") -> list[dict[str, Any]]:
     """The README rows of a save and a load against DCP's: `detail(step)` follows each time (a rate, a peak RSS),
     `prefix` opens each note."""
-    save_target, load_target = targets
-    return [
-        row(f"save, {size}", "tm.save vs dcp.save (FileSystemWriter sync_files=True)",
-            tensormorph=f"{fmt_s(steps['tm_save']['median'])}{detail('tm_save')}",
-            anchor=f"dcp.save: {fmt_s(steps['dcp_save']['median'])}{detail('dcp_save')}",
-            ratio=ratios["save_tm_over_dcp"], target=f">= {save_target:.1f}x",
-            met=ratios["save_tm_over_dcp"] >= save_target,
-            note=f"{prefix}{ratios['save_tm_fraction_of_disk']:.0%} of the disk's write + fsync rate, "
-                 f"{rate['disk_write']:.2f} GB/s"),
-        row(f"load, {size}, {'cold' if cold else 'warm'}", "tm.load vs dcp.load into the same DTensors",
-            tensormorph=f"{fmt_s(steps['tm_load']['median'])}{detail('tm_load')}",
-            anchor=f"dcp.load: {fmt_s(steps['dcp_load']['median'])}{detail('dcp_load')}",
-            ratio=ratios["load_tm_over_dcp"], target=f">= {load_target:.1f}x",
-            met=ratios["load_tm_over_dcp"] >= load_target,
-            note=f"{prefix}{ratios['load_tm_fraction_of_disk']:.0%} of the disk's read rate, "
-                 f"{rate['disk_read']:.2f} GB/s"),
-    ]
+    cases = (("save", f"save, {size}", "tm.save vs dcp.save (FileSystemWriter sync_files=True)", targets[0],
+              "write + fsync rate", "disk_write"),
+             ("load", f"load, {size}, {'cold' if cold else 'warm'}", "tm.load vs dcp.load into the same DTensors",
+              targets[1], "read rate", "disk_read"))
+    return [row(bench, case, tensormorph=f"{fmt_s(steps[f'tm_{kind}']['median'])}{detail(f'tm_{kind}')}",
+                anchor=f"dcp.{kind}: {fmt_s(steps[f'dcp_{kind}']['median'])}{detail(f'dcp_{kind}')}",
+                ratio=ratios[f"{kind}_tm_over_dcp"], target=f">= {target:.1f}x",
+                met=ratios[f"{kind}_tm_over_dcp"] >= target,
+                note=f"{prefix}{ratios[f'{kind}_tm_fraction_of_disk']:.0%} of the disk's {what}, {rate[disk]:.2f} GB/s")
+            for kind, bench, case, target, what, disk in cases]
 
 
 def main() -> None:
