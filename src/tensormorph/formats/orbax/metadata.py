@@ -177,7 +177,7 @@ def parse_shardings(raw: bytes, where: str) -> dict[str, Sharding]:
     for key, text in top.items():
         try:
             name = base64.b64decode(key, validate=True).decode("utf-8")
-        except (binascii.Error, UnicodeDecodeError):
+        except (binascii.Error, ValueError):  # ValueError: non-ASCII text (UnicodeDecodeError is one)
             raise HeaderError(f"has a key {key[:80]!r} that is not base64 of a leaf name", file=where) from None
         if not isinstance(text, str):
             raise HeaderError(f"records {type(text).__name__}, expected a JSON string", file=where, tensor=name)
