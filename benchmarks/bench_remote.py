@@ -10,7 +10,9 @@ Cases, each beside its anchor in the same run (medians of RUNS runs, alternating
   * cached_open: a second open of the same remote checkpoint from the range cache against opening the local
     files (page cache warm): the 1,000-file repo (HTTP) at "main" (within the cache's revalidation time) and at a
     commit hash (immutable: never asked again, even with a revalidation time of 0), and the DCP checkpoint (S3)
-    with a fresh s3fs client (a new command) and with the process's client reused (the viewer). Target: within 2x.
+    with a fresh s3fs client (a new command) and with the process's client reused (the viewer), both within the
+    revalidation time (the folder's listing and versions come from the cache's records). Target: within 2x. Also
+    reported: a fresh client with a revalidation time of 0, which asks the server for the listing every time.
   * diff: two 256 MiB DCP checkpoints on S3 differing in one tensor; `tensormorph.diff` of the URLs against
     fsspec `get` of both then a local diff, each in its own process for its peak RSS. Targets: faster, peak
     RSS <= 1/8.
@@ -403,8 +405,10 @@ def run_cases(cases: set[str], work: Path) -> dict[str, Any]:
                 out["region"] = bench_region(local, url, proxy, options, work)
             if "cached_open" in cases:
                 reused = {k: v for k, v in options.items() if k != "skip_instance_cache"}
-                for label, opts in (("dcp_s3_fresh_client", options), ("dcp_s3_reused_client", reused)):
-                    out["cached_open"][label] = bench_cached_open(local, url, proxy, work / "cache-dcp",
+                for label, opts, revalidate in (("dcp_s3_fresh_client", options, None),
+                                                ("dcp_s3_reused_client", reused, None),
+                                                ("dcp_s3_fresh_client_revalidating", options, 0)):
+                    out["cached_open"][label] = bench_cached_open(local, url, proxy, work / "cache-dcp", revalidate,
                                                                   storage_options=opts)
             shutil.rmtree(local)
         if "diff" in cases:
@@ -450,10 +454,11 @@ def report(results: dict[str, Any]) -> list[dict[str, Any]]:
                       f"bytes {r['bytes_over_needed']:.3f}x needed, {r['stats']['read']['requests']} requests"])
     for label, r in results.get("cached_open", {}).items():
         tm_s, an_s = r["cached_s"]["median"], r["local_s"]["median"]
+        asks = label.endswith("revalidating")  # asks the server by design: a round trip is no cache's to save
         rows.append(row("second open from the range cache vs local open", label.replace("_", " "),
                         tensormorph=fmt_s(tm_s), anchor=f"local open: {fmt_s(an_s)}", ratio=r["ratio"],
-                        target="within 2x (>= 0.5x)", met=r["ratio"] >= 0.5,
-                        note=f"{r['cached_stats']['requests']} requests"))
+                        target="informational (asks the server)" if asks else "within 2x (>= 0.5x)",
+                        met=asks or r["ratio"] >= 0.5, note=f"{r['cached_stats']['requests']} requests"))
         table.append([f"cached_open {label}", fmt_s(tm_s), fmt_s(an_s), f"{r['ratio']:.3f}x",
                       f"{r['cached_stats']['requests']} requests"])
     if r := results.get("diff"):

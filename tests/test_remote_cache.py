@@ -213,6 +213,78 @@ def test_bytes_of_a_trusted_version_are_fetched_only_after_the_server_confirms_i
     assert fresh["w"][40:42, :].tobytes() == new["w"][40:42, :].tobytes()
 
 
+def _upload_model(s3: S3Endpoint, folder: Path, url: str) -> dict[str, np.ndarray]:
+    """A one-file safetensors checkpoint (data past the first 64 KiB) in `folder`, uploaded under `url`."""
+    values = {"w": np.arange(SHAPE[0] * SHAPE[1], dtype=np.float32).reshape(SHAPE)}
+    folder.mkdir()
+    safetensors.numpy.save_file(values, str(folder / "model.safetensors"))
+    s3.upload(folder, url)
+    return values
+
+
+def test_a_folder_listed_within_the_revalidation_time_is_taken_from_its_record_then_listed_again(s3, s3_proxy,
+                                                                                                 tmp_path):
+    """A new command (a new client and RangeCache) reopening a folder seen a moment ago asks nothing: the listing
+    record is trusted whole. An object gone since is then found at the first read of uncached bytes (confirmed
+    first), and after the revalidation time the folder is listed again and the open fails, naming it."""
+    url = f"s3://{BUCKET}/listed"
+    values = _upload_model(s3, tmp_path / "ck", url)
+    options, folder = {**s3.storage_options_via(s3_proxy.url), "skip_instance_cache": True}, tmp_path / "cache"
+    tm.open(url, storage_options=options, cache=RangeCache(folder, revalidate_after_s=TINY_TTL_S)).close()
+    s3_proxy.reset()
+    ck = tm.open(url, storage_options=options, cache=RangeCache(folder, revalidate_after_s=TINY_TTL_S))
+    assert s3_proxy.requests == [] and ck["w"].shape == SHAPE
+    s3.client().delete_object(Bucket=BUCKET, Key="listed/model.safetensors")
+    with pytest.raises(CheckpointError, match="changed on the server .* is gone") as caught:
+        ck["w"][60:62, :]
+    assert f"{url}/model.safetensors" in str(caught.value)
+    assert [r.method for r in s3_proxy.requests] == ["HEAD"]
+    time.sleep(TINY_TTL_S)
+    with pytest.raises(CheckpointError, match="no such object or folder") as gone:
+        tm.open(url, storage_options=options, cache=RangeCache(folder, revalidate_after_s=TINY_TTL_S))
+    assert url in str(gone.value)
+    s3.upload(tmp_path / "ck", url)
+    time.sleep(TINY_TTL_S)  # the missing folder's record is not trusted: asked again at once; listed after the TTL
+    with tm.open(url, storage_options=options, cache=RangeCache(folder, revalidate_after_s=TINY_TTL_S)) as back:
+        assert back["w"].full().tobytes() == values["w"].tobytes()
+
+
+def test_revalidating_a_cached_folder_costs_a_head_and_a_listing(s3, s3_proxy, tmp_path):
+    """With a revalidation time of 0 every open asks afresh, but only what an open must: the folder's URL as an
+    object and its listing (with every object's version); the header bytes still come from the cache."""
+    url = f"s3://{BUCKET}/revalidated"
+    values = _upload_model(s3, tmp_path / "ck", url)
+    options, folder = {**s3.storage_options_via(s3_proxy.url), "skip_instance_cache": True}, tmp_path / "cache"
+    tm.open(url, storage_options=options, cache=RangeCache(folder)).close()
+    for _ in range(2):
+        s3_proxy.reset()
+        with tm.open(url, storage_options=options, cache=RangeCache(folder, revalidate_after_s=0)) as ck:
+            assert [(r.method, r.query.startswith("list-type") or "list-type" in r.query)
+                    for r in s3_proxy.requests] == [("HEAD", False), ("GET", True)]
+            assert ck["w"][0:2, :].tobytes() == values["w"][0:2, :].tobytes()
+            assert ck.storage.fs._s3 is None  # obstore asked: no s3fs client built
+
+
+@pytest.mark.parametrize("record", [b"not json", b'{"url": "%s", "checked": %t, "files": 3, "folders": []}',
+                                    b'{"url": "%s", "checked": %t, "files": [["../x", 1, "e"]], "folders": []}',
+                                    b'{"url": "%s", "checked": %t, "files": [["a/b", 1, "e"]], "folders": []}',
+                                    b'{"url": "%s", "checked": %t, "files": [], "folders": [".."]}',
+                                    b'{"url": "%s", "checked": %t, "files": [[7, 1, "e"]], "folders": []}',
+                                    b'{"url": "%s", "checked": %t, "files": [["w", "big", "e"]], "folders": []}'])
+def test_a_damaged_or_planted_listing_record_is_ignored(s3, s3_proxy, tmp_path, record):
+    """A listing record that is not one, or names what no listing could (outside the folder), is never used to
+    reach anything: the open lists the folder, or refuses such names, and reads the right values."""
+    url = f"s3://{BUCKET}/planted"
+    values = _upload_model(s3, tmp_path / "ck", url)
+    options, cache = s3.storage_options_via(s3_proxy.url), RangeCache(tmp_path / "cache")
+    tm.open(url, storage_options=options, cache=cache).close()
+    (path,) = [p for p in cache.dir.glob("*.version") if json.loads(p.read_bytes()).get("files") is not None]
+    path.write_bytes(record.replace(b"%s", url.encode()).replace(b"%t", str(time.time()).encode()))
+    with tm.open(url, storage_options=options, cache=RangeCache(tmp_path / "cache")) as ck:
+        assert ck["w"].full().tobytes() == values["w"].tobytes()
+        assert all("/.." not in u and not u.endswith(("/a/b", "/7")) for u in ck.storage.remote.infos)
+
+
 def test_opens_with_the_same_protocol_and_options_share_one_client(s3, s3_proxy):
     options = s3.storage_options_via(s3_proxy.url)
     a = as_path(f"s3://{BUCKET}/a", options, cache=False)

@@ -99,28 +99,35 @@ def test_an_s3_checkpoint_opens_and_reads_without_building_s3fs_client_where_obs
         assert len(proxy.requests) == 3 + len(values)
 
 
-def test_a_reopening_with_the_process_s3fs_client_asks_nothing(tmp_path):
-    """Once s3fs's client is built (fsspec reuses it across opens: the viewer reopening a checkpoint), its listing
-    cache and the range cache answer a second open: no request, where obstore would list and read again."""
+@pytest.mark.parametrize("use_obstore", [True, False])
+@pytest.mark.parametrize("new_client", [True, False])
+def test_a_reopening_asks_nothing_with_the_process_client_or_a_new_one(use_obstore, new_client, tmp_path, monkeypatch):
+    """A second and third open from the range cache (each with a new RangeCache on the same folder, as a new
+    command makes) ask nothing: the folder's listing and the file's version come from the cache's records, its
+    header from the cache. With obstore, s3fs's client is never built at all."""
     import numpy as np
     import safetensors.numpy
     from remote_support import CountingProxy, S3Endpoint
 
     import tensormorph as tm
+    from tensormorph.storage import obstore_ranges
     from tensormorph.storage.range_cache import RangeCache
 
+    monkeypatch.setattr(obstore_ranges, "USE_OBSTORE", use_obstore)
     values = {"w": np.arange(60, dtype=np.float32).reshape(6, 10)}
     (tmp_path / "ck").mkdir()
     safetensors.numpy.save_file(values, str(tmp_path / "ck" / "model.safetensors"))
     with S3Endpoint() as s3, CountingProxy(s3.endpoint) as proxy:
         s3.make_bucket("reopens")
         s3.upload(tmp_path / "ck", "s3://reopens/ck")
-        options, cache = s3.storage_options_via(proxy.url), RangeCache(tmp_path / "cache")
-        asked = []
+        options = {**s3.storage_options_via(proxy.url), **({"skip_instance_cache": True} if new_client else {})}
+        asked, built = [], []
         for _ in range(3):
             before = len(proxy.requests)
-            with tm.open("s3://reopens/ck", storage_options=options, cache=cache) as ck:
+            with tm.open("s3://reopens/ck", storage_options=options, cache=RangeCache(tmp_path / "cache")) as ck:
                 assert ck["w"].full().tolist() == values["w"].tolist()
-                built = ck.storage.fs._s3 is not None
+                built.append(ck.storage.fs._s3 is not None)
             asked.append(len(proxy.requests) - before)
-        assert built and asked[0] > 0 and asked[-1] == 0, asked  # (the first opens build the client)
+        assert asked[0] == 3 and asked[1:] == [0, 0], asked  # the root asked as an object, its listing, the file
+        # s3fs's client is built by its first request, if any: a new one asks nothing, the process's one stays
+        assert built == [not use_obstore] + [not use_obstore and not new_client] * 2

@@ -14,6 +14,13 @@ Trust, with a record at hand:
 A record trusted without asking is confirmed with the server before any byte of that object is fetched (the store
 does so): bytes of a newer version are never cached under an older one, and a checkpoint opened from cached
 headers never reads data of another version.
+
+A folder's listing has its own record, `<sha256("listing", url)>.version`: {"url", "checked", "files": [[name,
+size, version], ...], "folders": [name, ...]}. It is trusted for `revalidate_after_s` like an object's, whole:
+a name it lacks is taken as absent, as fsspec's own listing cache takes it within one process (there for good).
+A "missing" record of a mutable URL is trusted only beside such a listing of the same URL (a checkpoint's folder,
+which was no object as recently): a new command then opens a checkpoint seen a moment ago with no request at all.
+The objects of a trusted listing are confirmed before their bytes are fetched, as above.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +43,7 @@ REVALIDATE_AFTER_S = 60.0  # a mutable URL's version is trusted this long after 
 # and the viewer's reopenings cost no request, and a changed object is seen at most this late
 REVALIDATE_ENV = "TENSORMORPH_REVALIDATE_S"  # overrides REVALIDATE_AFTER_S (seconds; 0 asks every time)
 MAX_RECORD_BYTES = 16 * 1024  # a record is a URL and three numbers: anything larger is not one of ours
+MAX_LISTING_BYTES = 8 * 1024**2  # a listing record (about 60,000 objects): a larger folder is listed every time
 SUFFIX = "version"  # a record's file name: <64 hex digits>.version, beside the range cache's entries
 # a hub's resolve URL at a full commit hash: the files of a commit never change
 IMMUTABLE_URL = re.compile(r"^https?://[^?#]*/resolve/[0-9a-f]{40}/[^?#]+$")
@@ -54,6 +63,12 @@ def default_revalidate_after_s() -> float:
     return seconds
 
 
+def _plain_name(name: object) -> bool:
+    """Whether `name` could be an entry of a listed folder: one non-empty name, no path."""
+    return (isinstance(name, str) and bool(name) and name not in (".", "..")
+            and not any(c in name for c in "/\\\x00"))
+
+
 def is_immutable(url: str) -> bool:
     """Whether `url` names bytes that never change: a hub file at a commit hash."""
     return IMMUTABLE_URL.match(url) is not None
@@ -68,41 +83,62 @@ class Known:
     immutable: bool
 
 
+@dataclass(frozen=True)
+class Listing:
+    """What a listing record says of a folder: its objects' infos and its folders, by name, as last listed."""
+
+    files: dict[str, dict[str, Any]]
+    folders: list[str]
+
+
 class KnownVersions:
     """The version records in a range cache's folder `folder` (see the module docstring)."""
 
     def __init__(self, folder: Path, revalidate_after_s: float):
         self.folder, self.revalidate_after_s = folder, revalidate_after_s
 
-    def _path(self, url: str) -> Path:
-        digest = hashlib.sha256(json.dumps(["version", url]).encode()).hexdigest()
+    def _path(self, url: str, kind: str = "version") -> Path:
+        digest = hashlib.sha256(json.dumps([kind, url]).encode()).hexdigest()
         return self.folder / f"{digest}.{SUFFIX}"
 
-    def trusted(self, url: str) -> Known | None:
+    def _fresh(self, checked: float) -> bool:
+        return 0 <= time.time() - checked < self.revalidate_after_s
+
+    def trusted(self, url: str, is_listed_folder: Callable[[], bool] = lambda: False) -> Known | None:
         """The record of `url` when it may be used without asking the server: at an immutable URL, or checked less
-        than `revalidate_after_s` ago (a missing object only at an immutable URL: one may appear any time)."""
+        than `revalidate_after_s` ago (a missing object only at an immutable URL, or where `is_listed_folder()`
+        says a trusted listing of this URL is at hand: elsewhere one may appear any time)."""
         known = self.lookup(url)
         if known is None:
             return None
         if known.immutable:
             return known
-        age = time.time() - known.checked
-        return known if known.info is not None and 0 <= age < self.revalidate_after_s else None
+        if not self._fresh(known.checked):
+            return None
+        return known if known.info is not None or is_listed_folder() else None
 
-    def lookup(self, url: str) -> Known | None:
-        """The record of `url`, however old; None when there is none (or it is damaged, or not a regular file)."""
+    def _record(self, url: str, kind: str, cap: int) -> dict[str, Any] | None:
+        """The JSON record of `kind` for `url` (None when there is none, or it is damaged or not a regular file)."""
         try:
-            fd = open_regular(self._path(url), follow=False)
+            fd = open_regular(self._path(url, kind), follow=False)
         except CheckpointError:
             return None
         try:
-            raw = read_capped(fd, MAX_RECORD_BYTES)
+            raw = read_capped(fd, cap)
         finally:
             os.close(fd)
         try:
             record = json.loads(raw or b"")
-            if record["url"] != url:
-                return None
+        except ValueError:
+            return None
+        return record if isinstance(record, dict) and record.get("url") == url else None
+
+    def lookup(self, url: str) -> Known | None:
+        """The record of `url`, however old; None when there is none (or it is damaged, or not a regular file)."""
+        record = self._record(url, "version", MAX_RECORD_BYTES)
+        if record is None:
+            return None
+        try:
             checked = float(record["checked"])
             if record.get("missing"):
                 return Known(None, checked, is_immutable(url))
@@ -110,6 +146,35 @@ class KnownVersions:
         except (ValueError, KeyError, TypeError):
             return None
         return Known(info, checked, is_immutable(url))
+
+    def listing(self, url: str) -> Listing | None:
+        """The listing record of folder `url` when it may be used without asking: listed less than
+        `revalidate_after_s` ago. None otherwise, or when it is damaged."""
+        record = self._record(url, "listing", MAX_LISTING_BYTES)
+        try:
+            if record is None or not self._fresh(float(record["checked"])):
+                return None
+            files = {name: {"name": f"{url}/{name}", "type": "file", "size": int(size), "ETag": str(version)}
+                     for name, size, version in record["files"]}
+            folders = list(record["folders"])
+        except (ValueError, KeyError, TypeError):
+            return None
+        # a record is a file on disk: one that names anything but entries of this folder is no record of ours
+        return Listing(files, folders) if all(map(_plain_name, [*files, *folders])) else None
+
+    def remember_listing(self, url: str, files: dict[str, tuple[int, str]], folders: list[str]) -> None:
+        """Record what listing folder `url` just found: its objects' (size, version) by name, and its folders.
+        Nothing is recorded where an object has no version (it could not be told changed) or the record would be
+        over MAX_LISTING_BYTES."""
+        if any(not version for _, version in files.values()):
+            return
+        record = {"url": url, "checked": time.time(), "files": [[name, size, version]
+                                                                 for name, (size, version) in files.items()],
+                  "folders": folders}
+        raw = json.dumps(record).encode()
+        if len(raw) <= MAX_LISTING_BYTES:
+            with contextlib.suppress(OSError, CheckpointError):  # as in `remember`
+                replace_file(self._path(url, "listing"), raw)
 
     def remember(self, url: str, info: dict[str, Any] | None, version: str) -> None:
         """Record what the server just said of `url`: `info` with its `version`, or None for no object."""
@@ -122,6 +187,7 @@ class KnownVersions:
             replace_file(self._path(url), json.dumps(record).encode())
 
     def forget(self, url: str) -> None:
-        """Drop the record of `url` (it was found changed)."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._path(url))
+        """Drop the record of `url` (it was found changed), and any listing record of its folder."""
+        for path in (self._path(url), self._path(url.rpartition("/")[0], "listing")):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

@@ -130,6 +130,21 @@ class ObstoreRanges:
             return False  # not the bytes asked for: s3fs asks again, and says what is wrong
         return body, {"name": path, "type": "file", "size": int(meta["size"]), "ETag": meta.get("e_tag") or ""}
 
+    def head(self, path: str) -> dict[str, Any] | None | Literal[False]:
+        """s3fs-style info (size, ETag) of the object at `path` from a HEAD, None when there is none, False when
+        obstore cannot say (s3fs asks instead)."""
+        import obstore
+
+        bucket, _, key = path.partition("/")
+        if not key:
+            return False
+        _mark_used()
+        try:
+            meta = obstore.head(self._store(bucket), key)
+        except Exception as exc:  # s3fs asks again, as in `first`
+            return None if isinstance(_as_builtin(exc), FileNotFoundError) else False
+        return {"name": path, "type": "file", "size": int(meta["size"]), "ETag": meta.get("e_tag") or ""}
+
     def listing(self, path: str) -> list[dict[str, Any]] | None:
         """s3fs-style entries of the objects and folders directly under prefix `path`; None when there are none
         (s3fs then tells a file, or no folder) or obstore fails."""

@@ -120,8 +120,8 @@ class RemoteFiles:
         if self.remote.is_http:
             raise UnsupportedError("HTTP has no listing: open the checkpoint by the URL of its index or metadata "
                                    "file (see docs/remote.md)", file=url)
-        known = self.remote.listings.get(url)
-        if known is not None:  # detection lists a folder once per format it tries
+        known = self.remote.recorded_listing(url)
+        if known is not None:  # detection lists a folder once per format it tries (and a new process reuses it)
             return list(known)
         path, fast = self.remote.path(url), self.remote.fast_metadata
         try:  # obstore where it can (no s3fs client to build); s3fs tells an empty listing from a file
@@ -133,7 +133,7 @@ class RemoteFiles:
             with self.remote.lock:
                 self.remote.infos[url] = entries[0]
             raise MissingFileError("is a file, not a folder", file=url)
-        names = []
+        kept, bases = [], []
         for entry in entries:
             base = posixpath.basename(str(entry["name"]).rstrip("/"))
             try:
@@ -145,11 +145,13 @@ class RemoteFiles:
                     self.remote.infos[child] = entry  # a listing is as fresh as a HEAD
                 elif entry.get("type") == "directory":
                     self.remote.folders.add(child)
-            names.append(base)
-        names = sorted(set(names))
+            kept.append(entry)
+            bases.append(base)
+        names = sorted(set(bases))
         with self.remote.lock:
             self.remote.listed.add(url)
             self.remote.listings[url] = names
+        self.remote.remember_listing(url, kept, bases)
         return list(names)
 
     def list(self) -> builtins.list[str]:
@@ -204,8 +206,12 @@ class RemoteFiles:
             if info is not None and head:
                 self._first(name, int(info["size"]))
 
+        unique = list(dict.fromkeys(names))
+        if len(unique) == 1:  # no pool to start for one file (a reopening from the cache asks nothing at all)
+            one(unique[0])
+            return
         with ThreadPoolExecutor(PREFETCH_CONCURRENCY) as pool:
-            list(pool.map(one, dict.fromkeys(names)))
+            list(pool.map(one, unique))
 
     def read_prefixed(self, name: str, max_length: int) -> tuple[int, int, bytes]:
         """(file size, length, the `length` bytes after an 8-byte little-endian length at offset 0), in one

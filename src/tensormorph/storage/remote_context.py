@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import CheckpointError, UnsupportedError
 from ..extras import require_for_url
@@ -136,7 +136,7 @@ class Remote:
             return None  # its folder was listed whole, and it was not there
         versions = self.cache.versions if self.cache is not None else None
         if versions is not None and not any(url.startswith(prefix) for prefix in self.untrusted):
-            known = versions.trusted(url)
+            known = versions.trusted(url, lambda: self.recorded_listing(url) is not None)
             if known is not None:
                 with self.lock:
                     self.infos[url] = known.info
@@ -170,8 +170,46 @@ class Remote:
             self.infos[url] = found
         return found
 
+    def recorded_listing(self, url: str) -> list[str] | None:
+        """The names in folder `url` from the range cache's listing record of it, where that is trusted (see
+        known_versions.py), taken in as if listed now (its objects to be confirmed before their bytes are fetched);
+        None where there is no such record."""
+        if url in self.listings:
+            return self.listings[url]
+        if self.cache is None or any(url.startswith(prefix) for prefix in self.untrusted):
+            return None
+        listing = self.cache.versions.listing(url)
+        if listing is None:
+            return None
+        with self.lock:
+            for name, info in listing.files.items():
+                self.infos.setdefault(f"{url}/{name}", info)
+                self.unconfirmed.add(f"{url}/{name}")
+            self.folders.update(f"{url}/{name}" for name in listing.folders)
+            self.listed.add(url)
+            self.listings[url] = sorted({*listing.files, *listing.folders})
+        return self.listings[url]
+
+    def remember_listing(self, url: str, entries: list[dict[str, Any]], names: list[str]) -> None:
+        """Record the listing of folder `url` just made (fsspec-style `entries`, `names` their base names), for
+        the next process to trust for a while (known_versions.py)."""
+        if self.cache is None:
+            return
+        files, folders = {}, []
+        for entry, name in zip(entries, names):
+            if entry.get("type") == "directory":
+                folders.append(name)
+            elif entry.get("size") is not None:
+                files[name] = (int(entry["size"]), version_of(entry))
+        self.cache.versions.remember_listing(url, files, folders)
+
     def _head(self, url: str) -> dict[str, Any] | None:
-        """The object's fsspec info from a HEAD (None when there is none)."""
+        """The object's fsspec info from a HEAD (None when there is none): through obstore while s3fs's client is
+        not built (see `fast_metadata`), else fsspec."""
+        fast = self.fast_metadata
+        found_fast: dict[str, Any] | None | Literal[False] = fast.head(self.path(url)) if fast is not None else False
+        if found_fast is not False:
+            return found_fast
         try:
             found = self.fs.info(self.path(url))
         except FileNotFoundError as exc:
