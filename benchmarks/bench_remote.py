@@ -13,6 +13,7 @@ Cases, each beside its anchor in the same run (medians of RUNS runs, alternating
     with a fresh s3fs client (a new command) and with the process's client reused (the viewer), both within the
     revalidation time (the folder's listing and versions come from the cache's records). Target: within 2x. Also
     reported: a fresh client with a revalidation time of 0, which asks the server for the listing every time.
+    An open of a few milliseconds is timed as the mean of a run of opens lasting about REPEATED_S, both sides.
   * diff: two 256 MiB DCP checkpoints on S3 differing in one tensor; `tensormorph.diff` of the URLs against
     fsspec `get` of both then a local diff, each in its own process for its peak RSS. Targets: faster, peak
     RSS <= 1/8.
@@ -76,6 +77,7 @@ DIFF_TENSORS, DIFF_SHAPE, DIFF_CHANGED = 16, (4096, 1024), "layers.7.weight"
 # load: LOAD_TENSORS DTensors of LOAD_SHAPE fp32 (512 MiB), Shard(0) over LOAD_RANKS ranks
 LOAD_TENSORS, LOAD_SHAPE, LOAD_RANKS = 8, (4096, 4096), 2
 CASES = ("open_hf", "region", "cached_open", "diff", "load")
+REPEATED_S, MAX_REPEATS = 0.25, 200  # cached_open: a run of opens lasts about this long (an HF open once: ~0.5 s)
 
 
 def alternating(run: int, steps: list[T]) -> list[T]:
@@ -141,16 +143,23 @@ def bench_cached_open(local: Path, url: str, proxy: Proxy, folder: Path, revalid
     first_s, shapes, first = timed(lambda: tm_shapes(url, cache=cache, **options), proxy)  # fills the cache
     if shapes != want:
         raise AssertionError(f"{url} and {local} disagree on shapes")
+    # an open of a millisecond is timed over `repeats` opens in a row (both sides alike), not alone
+    repeats = max(1, min(MAX_REPEATS, int(REPEATED_S / timed(lambda: tm_shapes(local), proxy)[0])))
+
+    def opens(path: str | Path, **kwargs: Any) -> dict[str, tuple[int, ...]]:
+        return [tm_shapes(path, **kwargs) for _ in range(repeats)][-1]
+
     times: dict[str, list[float]] = {"cached": [], "local": []}
     stats: dict[str, Any] = {}
     for run in range(RUNS):
-        for label, step in alternating(run, [("cached", lambda: tm_shapes(url, cache=cache, **options)),
-                                             ("local", lambda: tm_shapes(local))]):
+        for label, step in alternating(run, [("cached", lambda: opens(url, cache=cache, **options)),
+                                             ("local", lambda: opens(local))]):
             seconds, shapes, stats[label] = timed(step, proxy)
             if shapes != want:
                 raise AssertionError(f"{url} from the cache and {local} disagree on shapes")
-            times[label].append(seconds)
-    return {"first_open_s": first_s, "first_open_stats": first, "cached_stats": stats["cached"],
+            times[label].append(seconds / repeats)
+    return {"first_open_s": first_s, "first_open_stats": first, "repeats": repeats,
+            "cached_stats": {**stats["cached"], "requests": stats["cached"]["requests"] / repeats},
             "cached_s": summary(times["cached"]), "local_s": summary(times["local"]),
             "ratio": summary(times["local"])["median"] / summary(times["cached"])["median"]}
 
@@ -458,9 +467,9 @@ def report(results: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(row("second open from the range cache vs local open", label.replace("_", " "),
                         tensormorph=fmt_s(tm_s), anchor=f"local open: {fmt_s(an_s)}", ratio=r["ratio"],
                         target="informational (asks the server)" if asks else "within 2x (>= 0.5x)",
-                        met=asks or r["ratio"] >= 0.5, note=f"{r['cached_stats']['requests']} requests"))
+                        met=asks or r["ratio"] >= 0.5, note=f"{r['cached_stats']['requests']:g} requests"))
         table.append([f"cached_open {label}", fmt_s(tm_s), fmt_s(an_s), f"{r['ratio']:.3f}x",
-                      f"{r['cached_stats']['requests']} requests"])
+                      f"{r['cached_stats']['requests']:g} requests"])
     if r := results.get("diff"):
         tm_s, an_s = r["remote"]["seconds"]["median"], r["download"]["seconds"]["median"]
         bench = "diff of two 256 MiB DCP checkpoints on S3, +20 ms/request"

@@ -152,6 +152,41 @@ def test_a_mutable_url_is_trusted_for_the_revalidation_time_then_asked_again(rep
     assert sorted(r.method for r in proxy.requests) == ["HEAD"] * (SHARDS + 1)
 
 
+def test_an_open_partly_cached_asks_only_for_what_the_cache_lacks(repo, proxy, tmp_path, monkeypatch):
+    """The files whose first bytes are cached are read at once in the opening thread; only the others go to the
+    request threads (one shard's bytes evicted: its version, trusted, is confirmed, then its first bytes fetched)."""
+    from tensormorph.storage import remote as remote_module
+    from tensormorph.storage.range_cache import ObjectKey
+
+    _, tensors = repo
+    folder = tmp_path / "cache"
+    tm.open(index_url(proxy, "main"), cache=RangeCache(folder)).close()
+    evicted = index_url(proxy, "main").replace("model.safetensors.index.json", "model-00003-of-00006.safetensors")
+    known = RangeCache(folder).versions.lookup(evicted)
+    assert known is not None and known.info is not None
+    digest = ObjectKey(evicted, int(known.info["size"]), known.info["ETag"]).digest()
+    for entry in folder.glob(f"*/{digest}.*"):
+        entry.unlink()
+    pooled: list[str] = []
+    pool = remote_module.ThreadPoolExecutor
+
+    def counting_pool(workers: int) -> Any:
+        pooled.append("pool")
+        return pool(workers)
+
+    monkeypatch.setattr(remote_module, "ThreadPoolExecutor", counting_pool)
+    proxy.reset()
+    ck = tm.open(index_url(proxy, "main"), cache=RangeCache(folder))
+    assert [(r.method, r.path.rsplit("/", 1)[-1]) for r in proxy.requests] == [
+        ("HEAD", "model-00003-of-00006.safetensors"), ("GET", "model-00003-of-00006.safetensors")]
+    assert pooled == ["pool"]  # one pool, for the one file that needed requests
+    assert_values(ck, tensors)
+    proxy.reset()
+    pooled.clear()
+    tm.open(index_url(proxy, "main"), cache=RangeCache(folder)).close()
+    assert proxy.requests == [] and pooled == []  # all cached: no request, no thread
+
+
 def test_the_environment_sets_the_revalidation_time(repo, proxy, tmp_path, monkeypatch):
     folder = tmp_path / "cache"
     tm.open(index_url(proxy, "main"), cache=folder).close()

@@ -24,7 +24,7 @@ from urllib.parse import quote
 from ..errors import HeaderError, MissingFileError, TruncatedFileError, UnsafePathError, UnsupportedError
 from ..geometry import coalesce
 from .local import parse_json
-from .remote_context import FIRST_READ, MAX_CONCURRENT_REQUESTS, Remote, version_of
+from .remote_context import FIRST_READ, MAX_CONCURRENT_REQUESTS, Remote, WouldAsk, may_ask, no_requests, version_of
 from .retry import with_retries
 
 Run = tuple[int, int]
@@ -206,12 +206,16 @@ class RemoteFiles:
             if info is not None and head:
                 self._first(name, int(info["size"]))
 
-        unique = list(dict.fromkeys(names))
-        if len(unique) == 1:  # no pool to start for one file (a reopening from the cache asks nothing at all)
-            one(unique[0])
-            return
-        with ThreadPoolExecutor(PREFETCH_CONCURRENCY) as pool:
-            list(pool.map(one, unique))
+        asking = []
+        for name in dict.fromkeys(names):  # what is known or cached already is served at once, without threads
+            try:
+                with no_requests():
+                    one(name)
+            except WouldAsk:
+                asking.append(name)
+        if asking:
+            with ThreadPoolExecutor(PREFETCH_CONCURRENCY) as pool:
+                list(pool.map(one, asking))
 
     def read_prefixed(self, name: str, max_length: int) -> tuple[int, int, bytes]:
         """(file size, length, the `length` bytes after an 8-byte little-endian length at offset 0), in one
@@ -268,6 +272,7 @@ class RemoteFiles:
         """Each run's bytes, from the server: one request per coalesced range (`merge=False`: per run, overlapping
         ones joined), a long one split into parts of PART_BYTES, MAX_CONCURRENT_REQUESTS at once (through obstore
         where the store has it, else fsspec); a request that fails is retried alone, through fsspec."""
+        may_ask()
         requests = coalesce(runs, COALESCE_GAP if merge else 0, COALESCE_SLACK)
         if not requests:
             return [b"" for _ in runs]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -36,13 +38,40 @@ def _with_timeouts(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+_no_requests = threading.local()  # `no_requests` in force in this thread
+
+
+class WouldAsk(Exception):
+    """A request was about to be made within `no_requests()`."""
+
+
+@contextmanager
+def no_requests() -> Iterator[None]:
+    """Within it, this thread answers from what is known and cached, and raises WouldAsk where it would ask the
+    server instead: work served locally is done at once, and only the rest goes to a pool of threads (which, for
+    what needs no request, would only contend for the GIL: a 1,000-file open from the cache took 1.0 s so, 0.6 s
+    at once)."""
+    _no_requests.on = True
+    try:
+        yield
+    finally:
+        _no_requests.on = False
+
+
+def may_ask() -> None:
+    """Called before every request: raises WouldAsk within `no_requests()`."""
+    if getattr(_no_requests, "on", False):
+        raise WouldAsk
+
+
 @dataclass
 class Remote:
     """What every store and path of one remote checkpoint shares: the file system client, what is known of each
     object (size, version) and the range cache. The client is fsspec's, which keeps one instance per process for
     each protocol and options (unless `skip_instance_cache`): later opens reuse its connections and sessions."""
 
-    fs: Any
+    make_fs: Callable[[], Any]  # builds `fs` at its first use: a reopening answered from the cache needs none
+    fs_class: Any  # its class, which names objects (`path`) without an instance
     protocol: str
     cache: Any = None  # a RangeCache, or None to read straight from the server
     fast: Any = None  # an ObstoreRanges where obstore can fetch this store's ranges (obstore_ranges.py), else None
@@ -57,24 +86,41 @@ class Remote:
     unconfirmed: set[str] = field(default_factory=set)
     untrusted: set[str] = field(default_factory=set)  # URL prefixes `forget` was called for: always asked afresh
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _fs: Any = None
+
+    @property
+    def fs(self) -> Any:
+        """fsspec's client: made at first use (a new one, with `skip_instance_cache`, costs a millisecond)."""
+        if self._fs is None:
+            with self.lock:
+                if self._fs is None:
+                    self._fs = self.make_fs()
+        return self._fs
 
     @classmethod
     def for_url(cls, url: str, storage_options: dict[str, Any] | None = None, cache: Any = None) -> Remote:
         fsspec = require_for_url(url, feature=f"reading {url}")
         protocol = url.split("://", 1)[0].lower()
         options = _with_timeouts(protocol, storage_options or {})
+
+        def make_fs() -> Any:
+            try:
+                return fsspec.core.url_to_fs(url, **options)[0]
+            except (ValueError, ImportError) as exc:  # an unknown protocol, or one whose package is missing
+                raise UnsupportedError(f"cannot open this URL: {exc}", file=url) from None
+
         try:
-            fs, _ = fsspec.core.url_to_fs(url, **options)
-        except (ValueError, ImportError) as exc:  # an unknown protocol, or one whose package is missing
+            fs_class = fsspec.get_filesystem_class(protocol)
+        except (ValueError, ImportError) as exc:
             raise UnsupportedError(f"cannot open this URL: {exc}", file=url) from None
-        return cls(fs, protocol, cache, fast=obstore_ranges(protocol, options, MAX_CONCURRENT_REQUESTS))
+        return cls(make_fs, fs_class, protocol, cache, fast=obstore_ranges(protocol, options, MAX_CONCURRENT_REQUESTS))
 
     @property
     def fast_metadata(self) -> Any:
         """The obstore client for first reads and listings while s3fs's own client is not built yet (a new process:
         building it costs a fifth of a second of CPU); None once it is (fsspec reuses it across opens, and its
         listing cache then answers a reopening with no request at all)."""
-        if self.fast is None or not self.fast.usable() or getattr(self.fs, "_s3", None) is not None:
+        if self.fast is None or not self.fast.usable() or getattr(self._fs, "_s3", None) is not None:
             return None
         return self.fast
 
@@ -113,6 +159,7 @@ class Remote:
             self.folders -= {u for u in self.folders if u.startswith(prefix)}
             self.unconfirmed -= {u for u in self.unconfirmed if u.startswith(prefix)}
             self.untrusted.add(prefix)
+        # the client fsspec shares across opens may hold listings from an earlier open, so it is made here if need be
         invalidate = getattr(self.fs, "invalidate_cache", None)
         if invalidate is not None:
             invalidate(self.path(prefix))
@@ -124,7 +171,7 @@ class Remote:
 
     def path(self, url: str) -> str:
         """What the fs calls the object at `url` (object stores drop the scheme; HTTP keeps the URL)."""
-        return str(self.fs._strip_protocol(url))  # fsspec's own spelling (memory:// keeps a leading "/")
+        return str(self.fs_class._strip_protocol(url))  # fsspec's own spelling (memory:// keeps a leading "/")
 
     def info(self, url: str, *, first: bool = True) -> dict[str, Any] | None:
         """The object's size and version (None when there is no object there), asked once per URL, or taken from
@@ -163,6 +210,7 @@ class Remote:
                                 lambda missing: [body[begin:end] for begin, end in missing])
             return info
 
+        may_ask()
         found = with_retries(ask, url, attempts=self.attempts)
         if versions is not None:
             versions.remember(url, found, version_of(found) if found is not None else "")
@@ -232,6 +280,7 @@ class Remote:
         at (and cached under it). A changed object is an error: what was parsed from it no longer holds."""
         if url not in self.unconfirmed:
             return
+        may_ask()
         found = with_retries(lambda: self._head(url), url, attempts=self.attempts)
         now = (int(found["size"]), version_of(found)) if found is not None else None
         assert self.cache is not None  # only cached infos are unconfirmed
