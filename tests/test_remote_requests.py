@@ -12,8 +12,8 @@ from typing import Any
 import fsspec
 import pytest
 
-from tensormorph.storage import remote_context
 from tensormorph.storage import remote as remote_module
+from tensormorph.storage import remote_context
 from tensormorph.storage.remote import RemoteFiles
 
 FILES = 40
