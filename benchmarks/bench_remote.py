@@ -15,7 +15,9 @@ Cases, each beside its anchor in the same run (medians of RUNS runs, alternating
     reported: a fresh client with a revalidation time of 0, which asks the server for the listing every time.
     An open of a few milliseconds is timed as the mean of a run of opens lasting about REPEATED_S, both sides.
   * diff: two 256 MiB DCP checkpoints on S3 differing in one tensor; `tensormorph.diff` of the URLs against
-    fsspec `get` of both then a local diff, each in its own process for its peak RSS. Targets: faster, peak
+    fsspec `get` of both then a local diff, either Tensormorph's own (streaming: the strictest anchor) or the way
+    without it (dcp.load both, torch.equal per tensor: bench_diff's anchor), each variant in its own process for
+    its peak RSS (its imports included: torch only where used). Targets: faster, peak
     RSS <= 1/8.
   * load: `tm.load` of 512 MiB of DTensors (Shard(0), 2 gloo ranks) from a Tensormorph checkpoint on S3, against
     `dcp.load` with torch's FsspecReader of a DCP checkpoint of the same state (s3torchconnector 1.5.0's
@@ -254,11 +256,34 @@ def build_diff_pair(a: Path, b: Path) -> None:
     dcp.save(state, checkpoint_id=str(b), no_dist=True)
 
 
+def _load_and_compare(a: Path, b: Path) -> list[str]:
+    """The way without Tensormorph: dcp.load both checkpoints into state dicts preallocated from their metadata,
+    then torch.equal per tensor; the names that differ."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    states = []
+    for folder in (a, b):
+        metadata = FileSystemReader(str(folder)).read_metadata()
+        state = {name: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+                 for name, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)}
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+        states.append(state)
+    a_state, b_state = states
+    return sorted(name for name in a_state.keys() | b_state.keys()
+                  if name not in a_state or name not in b_state or not torch.equal(a_state[name], b_state[name]))
+
+
 def _diff_child(args: dict[str, Any]) -> dict[str, Any]:
     """One diff variant in this process: its wall time, and its peak RSS above the RSS it started from."""
-    import s3fs  # both variants import the same modules before the baseline is taken
+    import s3fs  # every variant imports the same modules before the baseline is taken ...
 
     import tensormorph as tm
+
+    if args["variant"] == "download_load":
+        import torch.distributed.checkpoint  # noqa: F401  (... and the one that needs torch imports it too)
 
     prefault(PREFAULT)
     reset_peak_rss()
@@ -275,18 +300,22 @@ def _diff_child(args: dict[str, Any]) -> dict[str, Any]:
         for side in ("a", "b"):
             fs.get(args[side][len("s3://"):] + "/", f"{local / side}/", recursive=True, **ANCHOR_GET)
         download_s = time.perf_counter() - start
-        report = tm.diff(local / "a", local / "b")
+        if args["variant"] == "download_load":
+            differing = _load_and_compare(local / "a", local / "b")
+        else:
+            report = tm.diff(local / "a", local / "b")
+    if args["variant"] != "download_load":
+        differing = sorted(t.name for t in report.tensors if t.status != "equal")
     seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
     peak = proc_status()["VmHWM"]
     return {"seconds": seconds, "client_cpu_s": cpu, "download_s": download_s, "baseline_rss": baseline,
-            "peak_rss": peak,
-            "peak_growth": peak - baseline, "differing": sorted(t.name for t in report.tensors if t.status != "equal")}
+            "peak_rss": peak, "peak_growth": peak - baseline, "differing": differing}
 
 
 def bench_diff(urls: tuple[str, str], proxy: Proxy, options: dict[str, Any], work: Path) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, Any]]] = {"remote": [], "download": []}
+    runs: dict[str, list[dict[str, Any]]] = {"remote": [], "download": [], "download_load": []}
     for run in range(RUNS):
-        for variant in alternating(run, ["remote", "download"]):
+        for variant in alternating(run, list(runs)):
             target = work / "download"
             args = {"variant": variant, "a": urls[0], "b": urls[1], "options": options, "download_to": str(target)}
             proxy.reset()
@@ -305,6 +334,8 @@ def bench_diff(urls: tuple[str, str], proxy: Proxy, options: dict[str, Any], wor
     out["ratio_time"] = med["download"]["seconds"] / med["remote"]["seconds"]
     out["ratio_peak_rss"] = med["download"]["peak_rss"] / med["remote"]["peak_rss"]
     out["ratio_peak_growth"] = med["download"]["peak_growth"] / med["remote"]["peak_growth"]
+    out["ratio_time_load"] = med["download_load"]["seconds"] / med["remote"]["seconds"]
+    out["ratio_peak_rss_load"] = med["download_load"]["peak_rss"] / med["remote"]["peak_rss"]
     return out
 
 
@@ -481,6 +512,16 @@ def report(results: dict[str, Any]) -> list[dict[str, Any]]:
                         note=f"growth above start: {r['ratio_peak_growth']:.2f}x"))
         table.append(["diff", fmt_s(tm_s), fmt_s(an_s), f"{r['ratio_time']:.2f}x",
                       f"peak RSS {fmt_bytes(tm_rss)} vs {fmt_bytes(an_rss)} ({r['ratio_peak_rss']:.2f}x)"])
+        if "download_load" in r:  # the way without Tensormorph, as the local diff benchmark's anchor
+            load_s, load_rss = r["download_load"]["seconds"]["median"], r["download_load"]["peak_rss"]["median"]
+            rows.append(row(bench, "time vs fsspec get + dcp.load both + torch.equal", tensormorph=fmt_s(tm_s),
+                            anchor=fmt_s(load_s), ratio=r["ratio_time_load"], target="> 1x",
+                            met=r["ratio_time_load"] > 1))
+            rows.append(row(bench, "peak RSS vs fsspec get + dcp.load both + torch.equal",
+                            tensormorph=fmt_bytes(tm_rss), anchor=fmt_bytes(load_rss), ratio=r["ratio_peak_rss_load"],
+                            target=">= 8x", met=r["ratio_peak_rss_load"] >= 8))
+            table.append(["diff (vs load)", fmt_s(tm_s), fmt_s(load_s), f"{r['ratio_time_load']:.2f}x",
+                          f"peak RSS {fmt_bytes(tm_rss)} vs {fmt_bytes(load_rss)} ({r['ratio_peak_rss_load']:.2f}x)"])
     if r := results.get("load"):
         tm_s, an_s = r["tm_s"]["median"], r["anchor_s"]["median"]
         rows.append(row(f"tm.load of 512 MiB of DTensors on {r['ranks']} ranks from S3, +20 ms/request",
