@@ -284,6 +284,64 @@ def test_tiling_agrees_with_comparing_every_pair(layout: tuple[tuple[int, ...], 
         assert gap and not any(gap & c for c in cells), message
 
 
+@st.composite
+def slab_layouts(draw: st.DrawFn) -> tuple[tuple[int, ...], list[Chunk]]:
+    """Slabs cutting a small tensor along one dimension in order (Shard(d), FSDP), some spoiled: a slab resized
+    (to a negative size too) along it or another dimension, two swapped, an empty or repeated one, an offset moved
+    on another dimension, a rank dropped from one."""
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
+    d = draw(st.integers(0, len(shape) - 1))
+    cuts = sorted(draw(st.sets(st.integers(1, shape[d] - 1), max_size=4))) if shape[d] > 1 else []
+    edges = [0, *cuts, shape[d]]
+    boxes = [(0,) * d + (a,) + (0,) * (len(shape) - d - 1) for a in edges[:-1]]
+    slabs = [[o, shape[:d] + (b - a,) + shape[d + 1:]] for o, a, b in zip(boxes, edges, edges[1:])]
+    spoil = draw(st.sampled_from(["none", "resize", "negative", "swap", "empty", "repeat", "offset", "narrow",
+                                        "rank"]))
+    k = draw(st.integers(0, len(slabs) - 1))
+    if spoil == "resize":
+        slabs[k][1] = slabs[k][1][:d] + (slabs[k][1][d] + draw(st.sampled_from([-2, -1, 1])),) + slabs[k][1][d + 1:]
+    elif spoil == "narrow":  # another dimension of one slab resized
+        other = draw(st.integers(0, len(shape) - 1).filter(lambda e: e != d)) if len(shape) > 1 else d
+        slabs[k][1] = slabs[k][1][:other] + (slabs[k][1][other] + draw(st.sampled_from([-1, 1])),) + \
+            slabs[k][1][other + 1:]
+    elif spoil == "negative" and k + 1 < len(slabs):  # a slab of size -1, the next one stretched back over it
+        end, (offsets, sizes) = slabs[k][0][d] + slabs[k][1][d], slabs[k + 1]
+        slabs[k + 1:k + 2] = [[offsets, sizes[:d] + (-1,) + sizes[d + 1:]],
+                              [offsets[:d] + (end - 1,) + offsets[d + 1:], sizes[:d] + (sizes[d] + 1,) + sizes[d + 1:]]]
+    elif spoil == "swap" and len(slabs) > 1:
+        slabs[k], slabs[k - 1] = slabs[k - 1], slabs[k]
+    elif spoil == "empty":
+        slabs.insert(k, [slabs[k][0], slabs[k][1][:d] + (0,) + slabs[k][1][d + 1:]])
+    elif spoil == "repeat":
+        slabs.insert(k, list(slabs[k]))
+    elif spoil == "offset" and len(shape) > 1:
+        other = (d + 1) % len(shape)
+        slabs[k][0] = slabs[k][0][:other] + (1,) + slabs[k][0][other + 1:]
+    chunks = [Chunk(tuple(o), tuple(s), f"f{i}", None, LayoutOnly(), (i,)) for i, (o, s) in enumerate(slabs)]
+    if spoil == "rank":
+        chunks[k] = Chunk(chunks[k].offsets, chunks[k].shape, None, None, LayoutOnly())
+    return shape, chunks
+
+
+@FUZZ
+@given(layout=slab_layouts())
+def test_the_one_pass_check_of_slabs_agrees_with_the_general_one(layout: tuple[tuple[int, ...], list[Chunk]]) -> None:
+    """validate_tiling's one-pass check of slabs in order returns what the general check returns, and raises
+    what it raises, for every layout it takes (and leaves the rest to it)."""
+    from tensormorph.tiling import _validate_general
+
+    shape, chunks = layout
+
+    def outcome(check: Any) -> Any:
+        try:
+            return [(c.offsets, c.shape, c.file, c.ranks) for c in check()]
+        except ChunkLayoutError as exc:
+            return exc.reason
+
+    assert outcome(lambda: validate_tiling("w", shape, chunks)) == \
+        outcome(lambda: _validate_general("w", shape, chunks, None))
+
+
 # ---------------------------------------------------------------------------
 # manifests: sizes, counts and malformed values
 # ---------------------------------------------------------------------------

@@ -69,6 +69,35 @@ def validate_tiling(name: str, shape: tuple[int, ...], chunks: list[Chunk], *, f
     if len(chunks) == 1 and chunks[0].shape == shape and len(chunks[0].offsets) == len(shape) \
             and not any(chunks[0].offsets):
         return chunks  # one chunk holding the whole tensor: the common case, checked cheaply
+    if _slabs_in_order(shape, chunks):
+        return chunks  # what Shard(d) and FSDP save: checked in one pass (80,000 chunks: a fifth of the open)
+    return _validate_general(name, shape, chunks, file)
+
+
+def _slabs_in_order(shape: tuple[int, ...], chunks: list[Chunk]) -> bool:
+    """Whether the chunks, in their order, are non-empty slabs that cut `shape` end to end along one dimension.
+    Such chunks tile it exactly, none a replica of another, so the general check would return them as they are."""
+    first = chunks[0] if chunks else None
+    if first is None or len(first.shape) != len(shape):
+        return False
+    axes = [d for d in range(len(shape)) if first.shape[d] != shape[d]]
+    if len(axes) != 1:
+        return False
+    d = axes[0]
+    before, after = shape[:d], shape[d + 1:]
+    zeros_before, zeros_after = (0,) * d, (0,) * len(after)
+    position = 0
+    for chunk in chunks:
+        size = chunk.shape
+        if (chunk.offsets != zeros_before + (position,) + zeros_after or len(size) != len(shape) or size[d] <= 0
+                or size[:d] != before or size[d + 1:] != after):
+            return False
+        position += size[d]
+    return position == shape[d]
+
+
+def _validate_general(name: str, shape: tuple[int, ...], chunks: list[Chunk], file: str | None) -> list[Chunk]:
+    """validate_tiling for any layout (see the module docstring)."""
     for chunk in chunks:
         if len(chunk.offsets) != len(shape) or len(chunk.shape) != len(shape):
             raise ChunkLayoutError(
