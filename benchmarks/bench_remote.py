@@ -145,8 +145,10 @@ def bench_cached_open(local: Path, url: str, proxy: Proxy, folder: Path, revalid
     first_s, shapes, first = timed(lambda: tm_shapes(url, cache=cache, **options), proxy)  # fills the cache
     if shapes != want:
         raise AssertionError(f"{url} and {local} disagree on shapes")
-    # an open of a millisecond is timed over `repeats` opens in a row (both sides alike), not alone
-    repeats = max(1, min(MAX_REPEATS, int(REPEATED_S / timed(lambda: tm_shapes(local), proxy)[0])))
+    # an open of a millisecond is timed over `repeats` opens in a row (both sides alike, sized by the slower), not alone
+    slower = max(timed(lambda: tm_shapes(local), proxy)[0], timed(lambda: tm_shapes(url, cache=cache, **options),
+                                                                  proxy)[0])
+    repeats = max(1, min(MAX_REPEATS, int(REPEATED_S / slower)))
 
     def opens(path: str | Path, **kwargs: Any) -> dict[str, tuple[int, ...]]:
         return [tm_shapes(path, **kwargs) for _ in range(repeats)][-1]

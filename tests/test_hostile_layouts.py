@@ -295,8 +295,8 @@ def slab_layouts(draw: st.DrawFn) -> tuple[tuple[int, ...], list[Chunk]]:
     edges = [0, *cuts, shape[d]]
     boxes = [(0,) * d + (a,) + (0,) * (len(shape) - d - 1) for a in edges[:-1]]
     slabs = [[o, shape[:d] + (b - a,) + shape[d + 1:]] for o, a, b in zip(boxes, edges, edges[1:])]
-    spoil = draw(st.sampled_from(["none", "resize", "negative", "swap", "empty", "repeat", "offset", "narrow",
-                                        "rank"]))
+    spoil = draw(st.sampled_from(["none", "resize", "negative", "swap", "empty", "repeat", "repeat-empty",
+                                        "offset", "narrow", "rank"]))
     k = draw(st.integers(0, len(slabs) - 1))
     if spoil == "resize":
         slabs[k][1] = slabs[k][1][:d] + (slabs[k][1][d] + draw(st.sampled_from([-2, -1, 1])),) + slabs[k][1][d + 1:]
@@ -314,6 +314,9 @@ def slab_layouts(draw: st.DrawFn) -> tuple[tuple[int, ...], list[Chunk]]:
         slabs.insert(k, [slabs[k][0], slabs[k][1][:d] + (0,) + slabs[k][1][d + 1:]])
     elif spoil == "repeat":
         slabs.insert(k, list(slabs[k]))
+    elif spoil == "repeat-empty":  # two identical empty slabs: replicas the general check merges
+        empty = [slabs[k][0], slabs[k][1][:d] + (0,) + slabs[k][1][d + 1:]]
+        slabs[k:k] = [empty, list(empty)]
     elif spoil == "offset" and len(shape) > 1:
         other = (d + 1) % len(shape)
         slabs[k][0] = slabs[k][0][:other] + (1,) + slabs[k][0][other + 1:]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import time
@@ -67,6 +68,19 @@ def _plain_name(name: object) -> bool:
     """Whether `name` could be an entry of a listed folder: one non-empty name, no path."""
     return (isinstance(name, str) and bool(name) and name not in (".", "..")
             and not any(c in name for c in "/\\\x00"))
+
+
+def _time(value: object) -> float | None:
+    """A record's "checked" time, None unless it is a finite number."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        else None
+
+
+def _info(url: str, size: object, version: object) -> dict[str, Any] | None:
+    """An object's info from a record's fields, None unless the size is a byte count and the version a string."""
+    if type(size) is not int or not 0 <= size < 2**63 or not isinstance(version, str) or not version:
+        return None
+    return {"name": url, "type": "file", "size": size, "ETag": version}
 
 
 def is_immutable(url: str) -> bool:
@@ -129,7 +143,7 @@ class KnownVersions:
             os.close(fd)
         try:
             record = json.loads(raw or b"")
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             return None
         return record if isinstance(record, dict) and record.get("url") == url else None
 
@@ -138,29 +152,33 @@ class KnownVersions:
         record = self._record(url, "version", MAX_RECORD_BYTES)
         if record is None:
             return None
-        try:
-            checked = float(record["checked"])
-            if record.get("missing"):
-                return Known(None, checked, is_immutable(url))
-            info = {"name": url, "type": "file", "size": int(record["size"]), "ETag": str(record["version"])}
-        except (ValueError, KeyError, TypeError):
+        checked = _time(record.get("checked"))
+        if checked is None:
             return None
-        return Known(info, checked, is_immutable(url))
+        if record.get("missing") is True:
+            return Known(None, checked, is_immutable(url))
+        info = _info(url, record.get("size"), record.get("version"))
+        return Known(info, checked, is_immutable(url)) if info is not None else None
 
     def listing(self, url: str) -> Listing | None:
         """The listing record of folder `url` when it may be used without asking: listed less than
         `revalidate_after_s` ago. None otherwise, or when it is damaged."""
         record = self._record(url, "listing", MAX_LISTING_BYTES)
-        try:
-            if record is None or not self._fresh(float(record["checked"])):
-                return None
-            files = {name: {"name": f"{url}/{name}", "type": "file", "size": int(size), "ETag": str(version)}
-                     for name, size, version in record["files"]}
-            folders = list(record["folders"])
-        except (ValueError, KeyError, TypeError):
+        checked = _time(record.get("checked")) if record is not None else None
+        if record is None or checked is None or not self._fresh(checked):
             return None
+        entries, folders = record.get("files"), record.get("folders")
+        if not isinstance(entries, list) or not isinstance(folders, list):
+            return None
+        files = {}
+        for entry in entries:
+            info = _info(f"{url}/{entry[0]}", entry[1], entry[2]) if isinstance(entry, list) and len(entry) == 3 \
+                else None
+            if info is None or not _plain_name(entry[0]):
+                return None
+            files[entry[0]] = info
         # a record is a file on disk: one that names anything but entries of this folder is no record of ours
-        return Listing(files, folders) if all(map(_plain_name, [*files, *folders])) else None
+        return Listing(files, folders) if all(map(_plain_name, folders)) else None
 
     def remember_listing(self, url: str, files: dict[str, tuple[int, str]], folders: list[str]) -> None:
         """Record what listing folder `url` just found: its objects' (size, version) by name, and its folders.
@@ -180,6 +198,10 @@ class KnownVersions:
         """Record what the server just said of `url`: `info` with its `version`, or None for no object."""
         if info is not None and not version:
             return  # without a version the cache is bypassed: nothing to trust
+        before = self.lookup(url)
+        if before is not None and (None if before.info is None else (before.info["size"], before.info["ETag"])) != (
+                None if info is None else (int(info["size"]), version)):
+            self._forget_listing(url)  # the object changed: its folder's listing record is stale too
         record: dict[str, Any] = {"url": url, "checked": time.time()}
         record.update({"missing": True} if info is None else {"size": int(info["size"]), "version": version})
         # a full or read-only disk costs a request next time, nothing more
@@ -188,6 +210,10 @@ class KnownVersions:
 
     def forget(self, url: str) -> None:
         """Drop the record of `url` (it was found changed), and any listing record of its folder."""
-        for path in (self._path(url), self._path(url.rpartition("/")[0], "listing")):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(url))
+        self._forget_listing(url)
+
+    def _forget_listing(self, url: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(url.rpartition("/")[0], "listing"))

@@ -7,8 +7,9 @@ Layout: `RangeCache(folder)` keeps everything in `folder/ranges-v1/`, flat, one 
     <h>.lock               flock'ed: shared to read the entry, exclusive to change or remove it; its mtime is the
                            entry's last use, for least-recently-used eviction
     <h>.index.<random>.tmp an index being written; renamed over <h>.index to publish it
-    <v>.version            what was last learnt of one URL's size and version, and when (known_versions.py): its
-                           own entry, evicted with the others, least recently written first
+    <v>.version            what was last learnt of one URL's size and version, or of a folder's listing, and
+                           when (known_versions.py): its own entry, evicted with the others, least recently
+                           written first
 
 <h> is the sha256 of the key (URL, size, version), so no file name comes from a URL, and a changed object (another
 ETag or mtime, another size) is another entry. Pieces are sorted, disjoint, and never cross a multiple of

@@ -124,6 +124,7 @@ class RemoteFiles:
         if known is not None:  # detection lists a folder once per format it tries (and a new process reuses it)
             return list(known)
         path, fast = self.remote.path(url), self.remote.fast_metadata
+        unasked = self.remote.from_client_cache(path)  # an fsspec client's listing, perhaps old: not recorded
         try:  # obstore where it can (no s3fs client to build); s3fs tells an empty listing from a file
             entries = (fast.listing(path) if fast is not None else None) or with_retries(
                 lambda: self.fs.ls(path, detail=True), url, attempts=self.remote.attempts)
@@ -151,7 +152,8 @@ class RemoteFiles:
         with self.remote.lock:
             self.remote.listed.add(url)
             self.remote.listings[url] = names
-        self.remote.remember_listing(url, kept, bases)
+        if not unasked:
+            self.remote.remember_listing(url, kept, bases)
         return list(names)
 
     def list(self) -> builtins.list[str]:
