@@ -278,6 +278,10 @@ def _load_and_compare(a: Path, b: Path) -> list[str]:
                   if name not in a_state or name not in b_state or not torch.equal(a_state[name], b_state[name]))
 
 
+def _changed(report: Any) -> list[str]:
+    return sorted(t.name for t in report.tensors if t.status != "equal")
+
+
 def _diff_child(args: dict[str, Any]) -> dict[str, Any]:
     """One diff variant in this process: its wall time, and its peak RSS above the RSS it started from."""
     import s3fs  # every variant imports the same modules before the baseline is taken ...
@@ -296,18 +300,14 @@ def _diff_child(args: dict[str, Any]) -> dict[str, Any]:
     if args["variant"] == "remote":
         with tm.open(args["a"], storage_options=args["options"], cache=False) as a, \
                 tm.open(args["b"], storage_options=args["options"], cache=False) as b:
-            report = tm.diff(a, b)
+            differing = _changed(tm.diff(a, b))
     else:
         fs, local = s3fs.S3FileSystem(**args["options"]), Path(args["download_to"])
         for side in ("a", "b"):
             fs.get(args[side][len("s3://"):] + "/", f"{local / side}/", recursive=True, **ANCHOR_GET)
         download_s = time.perf_counter() - start
-        if args["variant"] == "download_load":
-            differing = _load_and_compare(local / "a", local / "b")
-        else:
-            report = tm.diff(local / "a", local / "b")
-    if args["variant"] != "download_load":
-        differing = sorted(t.name for t in report.tensors if t.status != "equal")
+        differing = _load_and_compare(local / "a", local / "b") if args["variant"] == "download_load" \
+            else _changed(tm.diff(local / "a", local / "b"))
     seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
     peak = proc_status()["VmHWM"]
     return {"seconds": seconds, "client_cpu_s": cpu, "download_s": download_s, "baseline_rss": baseline,
