@@ -84,6 +84,10 @@ def _slabs_in_order(shape: tuple[int, ...], chunks: list[Chunk]) -> bool:
     if len(axes) != 1:
         return False
     d = axes[0]
+    last = chunks[-1]  # most layouts that are not slabs show it at their end (trailing empty chunks): no walk
+    if len(last.shape) != len(shape) or len(last.offsets) != len(shape) or last.shape[d] <= 0 \
+            or last.offsets[d] + last.shape[d] != shape[d]:
+        return False
     before, after = shape[:d], shape[d + 1:]
     zeros_before, zeros_after = (0,) * d, (0,) * len(after)
     position = 0
